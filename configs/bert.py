@@ -1,0 +1,72 @@
+"""BERT (Devlin et al. 2019): masked LM + next-sentence prediction.
+
+Variants: base, large (phase 1: seq 128 for 90% of the 1M steps), base_512 / large_512
+(phase 2: seq 512 for the last 10%; run it in the same --workdir after phase 1 to resume at
+step 900k with the same schedule), tiny (a CPU model that trains in a minute or two).
+"""
+from lm_jax import defaults
+
+SIZES = {  # layers, d_model, heads, d_ff (paper §3)
+    "base": (12, 768, 12, 3072),
+    "large": (24, 1024, 16, 4096),
+    "tiny": (2, 128, 4, 512),
+}
+
+
+def get_config(arg="base"):
+  size, _, phase = arg.partition("_")
+  if size not in SIZES or phase not in ("", "512"):
+    raise ValueError(f"configs/bert.py: unknown variant {arg!r}; use base, large, base_512, large_512, tiny")
+  c = defaults.base_config()
+  c.objective = "mlm"
+
+  m = c.model = defaults.model_defaults("bert")
+  m.num_layers, m.d_model, m.num_heads, m.d_ff = SIZES[size]
+  m.vocab_size = 30522
+  m.max_positions = 512
+  m.type_vocab_size = 2
+  m.activation = "gelu_tanh"       # the original TF code; HF checkpoints use exact "gelu"
+  m.layer_norm_eps = 1e-12
+
+  c.data.tfds_name = "wikipedia/20230601.en"  # + BooksCorpus in the paper (not distributed)
+  c.data.train_split = "train[:99%]"
+  c.data.eval_split = "train[99%:]"
+  c.data.nsp = True
+  c.data.seq_len = 128
+  c.data.max_predictions_per_seq = 20   # create_pretraining_data.py default for 128
+
+  c.optimizer.name = "bert_adamw"       # AdamWeightDecayOptimizer: no bias correction, no decay on LN/bias
+  c.optimizer.lr = 1e-4
+  c.optimizer.b1, c.optimizer.b2, c.optimizer.eps = 0.9, 0.999, 1e-6
+  c.optimizer.weight_decay = 0.01
+  c.optimizer.warmup_steps = 10_000
+  c.optimizer.schedule = "linear"       # linear decay to 0 at total_steps
+  c.optimizer.clip_norm = 1.0
+
+  c.batch_size = 256
+  c.total_steps = 1_000_000             # the schedule spans both phases
+  c.phase_end_step = 900_000            # phase 1 stops here; phase 2 (seq 512) continues to total_steps
+  c.log_every = 100
+  c.eval_every = 10_000
+  c.checkpoint_every = 10_000
+  if phase == "512":
+    c.data.seq_len = 512
+    c.data.max_predictions_per_seq = 77  # round(0.15 * 512); the official value is unverified
+    c.phase_end_step = c.total_steps
+
+  if size == "tiny":
+    m.vocab_size = 2048
+    m.max_positions = 128
+    m.dropout_rate = m.attention_dropout_rate = 0.0
+    c.data.tfds_name = "tiny_shakespeare"
+    c.data.train_split, c.data.eval_split = "train", "validation"
+    c.data.tokenizer_type = "unigram"
+    c.data.max_predictions_per_seq = 20
+    c.optimizer.lr = 1e-3
+    c.optimizer.warmup_steps = 20
+    c.batch_size = 32
+    c.total_steps = c.phase_end_step = 200
+    c.log_every = 20
+    c.eval_every = 100
+    c.checkpoint_every = 100
+  return c

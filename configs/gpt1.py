@@ -1,0 +1,53 @@
+"""GPT-1 (Radford et al. 2018): causal LM. Variants: gpt1 (the paper's run), tiny (CPU)."""
+from lm_jax import defaults
+
+
+def get_config(arg="gpt1"):
+  if arg not in ("gpt1", "tiny"):
+    raise ValueError(f"configs/gpt1.py: unknown variant {arg!r}; use gpt1 or tiny")
+  c = defaults.base_config()
+  c.objective = "clm"
+
+  m = c.model = defaults.model_defaults("gpt")
+  m.num_layers, m.d_model, m.num_heads, m.d_ff = 12, 768, 12, 3072
+  m.vocab_size = 40478
+  m.max_positions = 512
+  m.activation = "gelu_tanh"
+  m.layer_norm_eps = 1e-5
+
+  # BooksCorpus is no longer distributed: point data.files at your own text.
+  c.data.tfds_name = ""
+  c.data.seq_len = 512
+  c.data.tokenizer_type = "bpe"
+
+  c.optimizer.name = "adam_l2"          # Adam + decoupled L2 0.01 on weights of rank > 1
+  c.optimizer.lr = 2.5e-4
+  c.optimizer.b1, c.optimizer.b2, c.optimizer.eps = 0.9, 0.999, 1e-8
+  c.optimizer.weight_decay = 0.01
+  c.optimizer.warmup_steps = 2000
+  c.optimizer.schedule = "cosine"       # to 0 at total_steps
+  c.optimizer.clip_norm = 1.0
+
+  c.batch_size = 64                     # 64 x 512 = 32,768 tokens
+  # 100 epochs over BooksCorpus; the paper gives no step count. ~800M words ~ 1B tokens -> ~3M steps (estimate).
+  c.total_steps = 3_000_000
+  c.log_every = 100
+  c.eval_every = 10_000
+  c.checkpoint_every = 10_000
+
+  if arg == "tiny":
+    m.num_layers, m.d_model, m.num_heads, m.d_ff = 2, 128, 4, 512
+    m.vocab_size = 2048
+    m.max_positions = 128
+    m.dropout_rate = m.attention_dropout_rate = 0.0
+    c.data.tfds_name = "tiny_shakespeare"
+    c.data.train_split, c.data.eval_split = "train", "validation"
+    c.data.seq_len = 128
+    c.optimizer.lr = 1e-3
+    c.optimizer.warmup_steps = 20
+    c.batch_size = 32
+    c.total_steps = 200
+    c.log_every = 20
+    c.eval_every = 100
+    c.checkpoint_every = 100
+  return c

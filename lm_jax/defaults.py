@@ -1,0 +1,87 @@
+"""Fields every experiment config has, with their defaults; configs/*.py override them."""
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.objective = ""
+  c.model = ml_collections.ConfigDict()
+
+  c.data = ml_collections.ConfigDict()
+  c.data.tfds_name = ""           # e.g. "tiny_shakespeare", "c4/en:3.1.0"
+  c.data.tfds_data_dir = ""       # "" = TFDS default (~/tensorflow_datasets or $TFDS_DATA_DIR)
+  c.data.files = ""               # glob of .txt/.jsonl/.tsv; when set it replaces the TFDS source
+  c.data.train_split = "train"
+  c.data.eval_split = "validation"
+  c.data.text_field = "text"
+  c.data.tokenizer = ""           # path to a tokenizer; "" = train SentencePiece on the data, cache in workdir
+  c.data.tokenizer_type = "unigram"
+  c.data.seq_len = 128
+  c.data.target_len = 0           # T5 targets; 0 = derived from seq_len by T5's random_spans_helper rule
+  c.data.mlm_probability = 0.15
+  c.data.max_predictions_per_seq = 20
+  c.data.whole_word_mask = False
+  c.data.nsp = False
+  c.data.noise_density = 0.15
+  c.data.mean_noise_span_length = 3.0
+  c.data.shuffle = True
+  c.data.eval_batches = 8
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adamw"
+  c.optimizer.lr = 1e-4
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.999
+  c.optimizer.eps = 1e-8
+  c.optimizer.weight_decay = 0.0
+  c.optimizer.warmup_steps = 0
+  c.optimizer.schedule = "linear"
+  c.optimizer.clip_norm = 1.0
+
+  c.batch_size = 8
+  c.total_steps = 100
+  c.microbatches = 1
+  c.seed = 0
+  c.log_every = 10
+  c.eval_every = 0
+  c.checkpoint_every = 1000
+  c.keep_checkpoints = 2
+  c.peak_tflops = 0.0             # per device, for MFU; 0 = a table by device kind (see lm_jax/train.py)
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1                # -1 takes the devices the other axes leave
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  return c
+
+
+def model_defaults(family: str) -> ml_collections.ConfigDict:
+  """Fields shared by every model config; the family's config fills in the sizes."""
+  m = ml_collections.ConfigDict()
+  m.family = family
+  m.vocab_size = 0
+  m.d_model = 0
+  m.num_layers = 0
+  m.num_decoder_layers = 0        # T5 only; 0 = num_layers
+  m.num_heads = 0
+  m.head_dim = 0                  # 0 = d_model // num_heads
+  m.d_ff = 0
+  m.max_positions = 512
+  m.type_vocab_size = 2
+  m.activation = "gelu_tanh"
+  m.gated_ffn = False
+  m.tie_embeddings = True
+  m.layer_norm_eps = 1e-12
+  m.dropout_rate = 0.1
+  m.attention_dropout_rate = 0.1
+  m.relative_attention_num_buckets = 32
+  m.relative_attention_max_distance = 128
+  m.initializer_range = 0.02
+  m.dtype = "float32"
+  m.param_dtype = "float32"
+  m.scan_layers = False
+  m.remat_policy = "none"
+  m.pad_token_id = 0
+  m.eos_token_id = 1
+  m.decoder_start_token_id = 0
+  return m

@@ -1,0 +1,39 @@
+"""Command line: `python -m lm_jax.main --config=configs/gpt1.py:tiny --workdir=DIR [--mode=...]`.
+
+Every mode reads the same config, so the run that trained a model is the one that evaluates,
+exports and summarises it.
+"""
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<variant>", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary"], "what to do")
+_EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  mode = _MODE.value
+  if mode == "summary":
+    from lm_jax import summary
+    summary.print_summary(config)
+    return
+  if not _WORKDIR.value:
+    raise app.UsageError(f"--workdir is required for --mode={mode}")
+  from lm_jax import distributed, train
+  distributed.maybe_initialize()
+  if mode == "train":
+    train.train(config, _WORKDIR.value)
+  elif mode == "eval":
+    train.evaluate_checkpoint(config, _WORKDIR.value)
+  else:
+    if not _EXPORT_DIR.value:
+      raise app.UsageError("--export_dir is required for --mode=export")
+    train.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
