@@ -14,3 +14,8 @@ def shared_data() -> pathlib.Path:
   if not path.is_dir():
     pytest.skip(f"offline data not found at {path} (set LM_JAX_DATA)")
   return path
+
+
+# Tests never reach a hub: everything is local.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
