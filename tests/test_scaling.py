@@ -1,0 +1,122 @@
+"""Scaling laws: constants vs REFERENCE.md §4, allocation, FLOP counts, fitting, CLI, sweep."""
+import ml_collections
+import numpy as np
+import pytest
+
+from lm_jax import scaling
+from lm_jax.flops import PF_DAY
+
+
+def _model(family, **kw):
+  m = ml_collections.ConfigDict(dict(family=family, vocab_size=512, d_model=64, num_layers=2, num_heads=4,
+                                     head_dim=0, d_ff=256, gated_ffn=False, num_decoder_layers=0))
+  m.update(kw)
+  return m
+
+
+# ---------------------------------------------------------------- constants (REFERENCE.md §4)
+
+def test_constants_match_reference():
+  c, e = scaling.CHINCHILLA, scaling.EPOCH
+  assert (c.E, c.A, c.B, c.alpha, c.beta) == (1.69, 406.4, 410.7, 0.34, 0.28)
+  assert (e.E, e.A, e.B, e.alpha, e.beta) == (1.817, 482.01, 2085.43, 0.3478, 0.3658)
+  assert scaling.KAPLAN_N == dict(alpha=0.076, n_c=8.8e13)
+  assert scaling.KAPLAN_D == dict(alpha=0.095, d_c=5.4e13)
+  assert scaling.KAPLAN_ND == dict(alpha_n=0.076, alpha_d=0.103, n_c=6.4e13, d_c=1.8e13)
+  assert scaling.KAPLAN_C_MIN["alpha"] == 0.050 and scaling.KAPLAN_C_MIN["c_c"] == pytest.approx(3.1e8 * 8.64e19)
+  assert PF_DAY == 8.64e19
+  # The source notes' wrong constants must not be what we ship.
+  assert c.A != 4.06e8 and c.B != 1.69e9 and c.E != 1.46
+
+
+def test_kaplan_laws():
+  assert scaling.kaplan_loss_n(8.8e13) == pytest.approx(1.0)
+  assert scaling.kaplan_loss_n(8.8e13 / 2**(1 / 0.076)) == pytest.approx(2.0)
+  assert scaling.kaplan_loss_d(5.4e13) == pytest.approx(1.0)
+  assert scaling.kaplan_loss_c_min(3.1e8 * PF_DAY) == pytest.approx(1.0)
+  # L(N, D) tends to L(N) with the Table-2 constants when D -> infinity.
+  assert scaling.kaplan_loss_nd(1e9, 1e30) == pytest.approx((6.4e13 / 1e9) ** 0.076)
+  assert scaling.kaplan_loss_nd(1e9, 1e10) > scaling.kaplan_loss_nd(1e9, 1e11)
+
+
+# ---------------------------------------------------------------- allocation
+
+@pytest.mark.parametrize("law", [scaling.CHINCHILLA, scaling.EPOCH])
+@pytest.mark.parametrize("c", [1e19, 5.76e23, 1e26])
+def test_closed_form_allocation_is_the_isoflop_minimum(law, c):
+  n, d = law.allocate(c)
+  assert 6 * n * d == pytest.approx(c)
+  n_num, d_num = scaling.isoflop_minimum(law, c)
+  assert n_num == pytest.approx(n, rel=1e-5) and d_num == pytest.approx(d, rel=1e-5)
+  # Exponents: N_opt ~ C^a, D_opt ~ C^b.
+  n10, d10 = law.allocate(10 * c)
+  assert np.log10(n10 / n) == pytest.approx(law.beta / (law.alpha + law.beta))
+  assert np.log10(d10 / d) == pytest.approx(law.alpha / (law.alpha + law.beta))
+  assert law.a + law.b == pytest.approx(1.0)
+
+
+def test_allocation_gives_the_papers_numbers():
+  c, e = scaling.CHINCHILLA, scaling.EPOCH
+  assert c.a == pytest.approx(0.46, abs=0.01) and c.b == pytest.approx(0.54, abs=0.01)  # Chinchilla Table 2 (A3)
+  assert e.a == pytest.approx(0.513, abs=5e-4)                                        # Epoch: a = 0.513
+  # Tokens per parameter implied by each fit (REFERENCE.md §4.3).
+  for flops, ratio_c, ratio_e in [(1e21, 50, 21.6), (1e23, 78, 19.2), (5.88e23, 93, 18.4), (1e25, 122, 17.1)]:
+    assert scaling.allocate(flops)["tokens_per_param"] == pytest.approx(ratio_c, abs=0.6)
+    assert scaling.allocate(flops, "epoch")["tokens_per_param"] == pytest.approx(ratio_e, abs=0.06)
+  # Not N = D = sqrt(C/6) (the source notes' error).
+  out = scaling.allocate(5.76e23)
+  assert out["D_opt"] / out["N_opt"] > 10
+  assert out["loss"] == pytest.approx(c.loss(out["N_opt"], out["D_opt"]))
+
+
+def test_kaplan_allocation():
+  out = scaling.allocate(PF_DAY, "kaplan")
+  assert out["N_opt"] == pytest.approx(1.3e9)
+  n1, _ = scaling.kaplan_allocate(PF_DAY)
+  n2, d2 = scaling.kaplan_allocate(10 * PF_DAY)
+  assert np.log10(n2 / n1) == pytest.approx(0.73)
+  assert 6 * n2 * d2 == pytest.approx(10 * PF_DAY)
+  with pytest.raises(ValueError, match="unknown scaling law 'gopher'"):
+    scaling.allocate(1e20, "gopher")
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def test_kaplan_table1_flops():
+  assert scaling.kaplan_params(12, 768) == 12 * 12 * 768**2
+  n = scaling.kaplan_params(2, 64, 64, 256)
+  assert scaling.kaplan_forward_flops_per_token(2, 64, 128, 64, 256) == 2 * n + 2 * 2 * 128 * 64
+  assert scaling.kaplan_forward_flops_per_token(2, 64, 128, 64, 256, n_vocab=512) == (
+      2 * n + 2 * 2 * 128 * 64 + 4 * 64 + 2 * 64 * 512)
+  assert scaling.flops_6nd(1e9, 2e10) == 1.2e20
+
+
+def test_gpt_train_flops_by_hand():
+  m = _model("gpt")
+  seq = 128
+  n = scaling.kaplan_params(2, 64, 64, 256) + 64 * 512      # non-embedding + LM head
+  want = 6 * n * seq + 3 * 2 * 2 * 2 * seq * seq * 64        # + QK^T and AV over the full L x L grid
+  assert scaling.train_flops_per_sequence(m, seq) == want
+  # The TOOLCHAIN.md GPT-2-small step (batch 8 x 128): 6 N T + 12 L d T^2 per sequence ~ 774 GFLOP.
+  g = _model("gpt", vocab_size=50304, d_model=768, num_layers=12, num_heads=12, d_ff=3072)
+  assert 8 * scaling.train_flops_per_sequence(g, 128) == pytest.approx(774.4e9, rel=2e-3)
+
+
+def test_bert_sparse_head_and_gated_ffn():
+  m = _model("bert")
+  dense, sparse = scaling.train_flops_per_sequence(m, 128), scaling.train_flops_per_sequence(m, 128, num_predictions=20)
+  assert dense - sparse == 3 * 2 * (128 - 20) * (64 * 64 + 64 * 512)
+  gated = _model("bert", gated_ffn=True)
+  assert scaling.train_flops_per_sequence(gated, 128) - dense == 3 * 2 * 2 * 128 * 64 * 256
+
+
+def test_t5_train_flops_by_hand():
+  m = _model("t5", num_heads=2, head_dim=16, num_decoder_layers=3)  # d_attn 32 != d_model
+  L, T, d, a, f, v = 128, 29, 64, 32, 256, 512
+  self_attn = lambda n: 2 * n * d * 4 * a + 4 * n * n * a
+  ffn = lambda n: 4 * n * d * f
+  cross = 2 * T * d * 2 * a + 2 * L * d * 2 * a + 4 * T * L * a
+  want = 2 * (self_attn(L) + ffn(L)) + 3 * (self_attn(T) + cross + ffn(T)) + 2 * T * d * v
+  assert scaling.train_flops_per_sequence(m, L, target_len=T) == 3 * want
+  with pytest.raises(ValueError, match="target_len"):
+    scaling.train_flops_per_sequence(m, L)
