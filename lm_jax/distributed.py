@@ -1,0 +1,74 @@
+"""Join JAX's multi-controller runtime when this process is one host of several.
+
+Every host runs the same program; `jax.distributed.initialize` connects them so that
+`jax.devices()` spans the whole slice or cluster and orbax can coordinate saves. It must run
+before anything starts a JAX backend, which is why `main.py` calls `maybe_initialize()` first.
+
+Launchers recognised (first match wins):
+  local   launch/local.sh sets LM_JAX_COORDINATOR, LM_JAX_NUM_PROCESSES, LM_JAX_PROCESS_ID.
+  slurm   `srun` with more than one task (SLURM_NTASKS > 1, SLURM_STEP_NODELIST set).
+  tpu     a Cloud TPU VM (Google TPU chips on the PCI bus, or TPU_WORKER_HOSTNAMES /
+          MEGASCALE_COORDINATOR_ADDRESS set): JAX reads the slice topology from the metadata server.
+"""
+import os
+
+import jax
+from jax._src import hardware_utils  # JAX's own PCI scan: the TPU device ids change with each generation
+
+
+def _has_tpu_chips() -> bool:
+  return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+
+
+def launcher() -> str:
+  """Which multi-process launcher started this process: 'local', 'slurm', 'tpu', or '' for none."""
+  env = os.environ
+  if int(env.get("LM_JAX_NUM_PROCESSES", "1")) > 1:
+    return "local"
+  if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_NODELIST" in env:
+    return "slurm"
+  if "TPU_WORKER_HOSTNAMES" in env or "MEGASCALE_COORDINATOR_ADDRESS" in env or _has_tpu_chips():
+    return "tpu"
+  return ""
+
+
+def _slurm_local_device_ids():
+  """All GPUs of the node when SLURM runs one task per node.
+
+  JAX's SLURM default binds task SLURM_LOCALID to GPU SLURM_LOCALID (one task per GPU); with a
+  single task per node that would leave all GPUs but the first idle.
+  """
+  env = os.environ
+  nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
+  gpus = int(env.get("SLURM_GPUS_ON_NODE", "0"))
+  if int(env["SLURM_NTASKS"]) == nodes and gpus > 1:
+    return list(range(gpus))
+  return None
+
+
+def maybe_initialize() -> str:
+  """Calls jax.distributed.initialize() for a multi-process launch; no-op for one process.
+
+  Returns the launcher name ('' when single-process or already initialised).
+  """
+  kind = launcher()
+  if not kind or jax.distributed.is_initialized():
+    return ""
+  env = os.environ
+  if kind == "local":
+    for name in ("LM_JAX_COORDINATOR", "LM_JAX_PROCESS_ID"):
+      if name not in env:
+        raise ValueError(f"LM_JAX_NUM_PROCESSES={env['LM_JAX_NUM_PROCESSES']} but {name} is not set")
+    jax.distributed.initialize(coordinator_address=env["LM_JAX_COORDINATOR"],
+                               num_processes=int(env["LM_JAX_NUM_PROCESSES"]),
+                               process_id=int(env["LM_JAX_PROCESS_ID"]))
+  elif kind == "slurm":
+    jax.distributed.initialize(local_device_ids=_slurm_local_device_ids())
+  else:
+    jax.distributed.initialize()
+  return kind
+
+
+def is_main_process() -> bool:
+  """True on the one process (index 0) that writes logs, metrics and other single-copy files."""
+  return jax.process_index() == 0
