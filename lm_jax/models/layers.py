@@ -1,0 +1,316 @@
+"""Building blocks shared by BERT, GPT and T5.
+
+Every parameter carries logical axis names (nn.with_logical_partitioning) and the main activations a
+logical sharding constraint, so lm_jax.sharding maps both onto a mesh by rules. Multi-dimensional
+kernels are made with self.param + dot_general rather than nn.DenseGeneral, whose multi-dim kernels
+fail under jax.set_mesh (shared/TOOLCHAIN.md §3).
+
+Layer stacks (`stack`) are scanned or looped. Scanned params live under `<name>` with a leading
+'layers' axis, looped ones under `<name>_0`, `<name>_1`, ...; `get_layers` / `put_layers` convert
+between either layout and a list of per-layer trees (HF conversion uses them).
+
+KV cache: an explicit pytree, no flax 'cache' collection. `Attention` takes one layer's
+{'k', 'v'} (B, S_max, H, Dh) and a write index, writes the new keys/values there and attends over
+the whole buffer (the caller's mask hides unwritten slots); `stack` slices a cache stacked on a
+leading layer axis and restacks the updated one.
+"""
+import functools
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+Init = Callable[..., jax.Array]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ACTIVATIONS = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),   # exact erf (HF "gelu")
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # original BERT/GPT TF code
+    "relu": jax.nn.relu,
+}
+REMAT_POLICIES = {
+    "none": None,
+    "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep weight matmuls
+    "full": jax.checkpoint_policies.nothing_saveable,                      # recompute everything
+}
+
+
+def dtype(name: str):
+  if name not in DTYPES:
+    raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+  return DTYPES[name]
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+  if name not in ACTIVATIONS:
+    raise ValueError(f"unknown activation {name!r}; known: {', '.join(ACTIVATIONS)}")
+  return ACTIVATIONS[name]
+
+
+def head_dim(cfg) -> int:
+  """model.head_dim, or d_model // num_heads when it is 0."""
+  return cfg.head_dim or cfg.d_model // cfg.num_heads
+
+
+def frozen(cfg) -> ml_collections.FrozenConfigDict:
+  """Modules keep the model config as a hashable FrozenConfigDict."""
+  return cfg if isinstance(cfg, ml_collections.FrozenConfigDict) else ml_collections.FrozenConfigDict(cfg)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """Logical sharding constraint; a no-op outside a mesh + axis-rules context."""
+  return nn.with_logical_constraint(x, tuple(axes))
+
+
+class Dense(nn.Module):
+  """x @ kernel (+ bias) contracting x's trailing dims with the kernel's leading ones.
+
+  `axes` names every kernel dim (inputs then outputs); the number of input dims is
+  len(axes) - len(features), so (D,) -> (H, Dh) is features=(H, Dh), axes=('embed','heads','kv').
+  """
+  features: Sequence[int]
+  axes: Sequence[str | None]
+  use_bias: bool = True
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  kernel_init: Init = nn.initializers.normal(0.02)
+  bias_init: Init = nn.initializers.zeros
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    features = tuple(self.features)
+    n_in = len(self.axes) - len(features)
+    shape = x.shape[x.ndim - n_in:] + features
+    kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, tuple(self.axes)),
+                        shape, self.param_dtype)
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, tuple(self.axes[n_in:])),
+                        features, self.param_dtype)
+      y = y + bias.astype(self.dtype)
+    return y
+
+
+class Embed(nn.Module):
+  """Lookup table; `attend` is the tied output projection x @ table.T."""
+  num_embeddings: int
+  features: int
+  axes: Sequence[str | None] = ("vocab", "embed")
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  embedding_init: Init = nn.initializers.normal(0.02)
+
+  def setup(self):
+    self.embedding = self.param("embedding", nn.with_logical_partitioning(self.embedding_init, tuple(self.axes)),
+                                (self.num_embeddings, self.features), self.param_dtype)
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.embedding.astype(self.dtype))
+
+
+class LayerNorm(nn.Module):
+  """LayerNorm in float32; use_mean=False, use_bias=False is T5's RMS norm."""
+  eps: float = 1e-12
+  use_bias: bool = True
+  use_mean: bool = True
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    d = x.shape[-1]
+    y = x.astype(jnp.float32)
+    if self.use_mean:
+      y = y - jnp.mean(y, axis=-1, keepdims=True)
+    y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + self.eps)
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (d,), self.param_dtype)
+    y = y * scale.astype(jnp.float32)
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (d,), self.param_dtype)
+      y = y + bias.astype(jnp.float32)
+    return y.astype(self.dtype)
+
+
+def make_attention_mask(key_mask: jax.Array | None = None, *, causal: bool = False,
+                        q_index: jax.Array | None = None, kv_index: jax.Array | None = None,
+                        q_segments: jax.Array | None = None, kv_segments: jax.Array | None = None,
+                        q_len: int | None = None, kv_len: int | None = None) -> jax.Array | None:
+  """Boolean (B|1, 1, T, S) mask, True = may attend, or None when nothing is masked.
+
+  key_mask (B, S): padding, keys with 0 are hidden (queries at padding still see the real keys, as
+  in HF). causal: kv_index <= q_index; indices (B|1, T) / (B|1, S) default to arange (give
+  q_index = cache_index + arange(T) when decoding). Segment ids (B, T) / (B, S): attend only
+  within equal ids, so packed documents never see each other (padding, id 0, sees only padding).
+  """
+  masks = []
+  if key_mask is not None:
+    masks.append(key_mask.astype(bool)[:, None, None, :])
+  if causal:
+    if q_index is None:
+      q_index = jnp.arange(q_len)[None]
+    if kv_index is None:
+      kv_index = jnp.arange(kv_len)[None]
+    masks.append(kv_index[:, None, None, :] <= q_index[:, None, :, None])
+  if q_segments is not None:
+    kv_segments = q_segments if kv_segments is None else kv_segments
+    masks.append(q_segments[:, None, :, None] == kv_segments[:, None, None, :])
+  if not masks:
+    return None
+  return functools.reduce(jnp.logical_and, masks)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
+                          bias: jax.Array | None = None, scale: float | None = None,
+                          dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None) -> jax.Array:
+  """softmax(scale q k^T + bias, masked) v for q (B,T,H,Dh), k/v (B,S,H,Dh); mask/bias (B|1,H|1,T,S).
+
+  Without dropout it is jax.nn.dot_product_attention (fused kernels where the backend has them);
+  dropout on the probabilities needs the explicit form. Logits and softmax are float32; a fully
+  masked row gives a uniform average, never NaN.
+  """
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if dropout_rng is None or dropout_rate == 0.0:
+    if bias is not None:
+      bias = bias.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
+  logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
+  if mask is not None:
+    logits = jnp.where(mask, logits, -0.7 * jnp.finfo(jnp.float32).max)
+  probs = jax.nn.softmax(logits, axis=-1)
+  keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+  probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
+
+
+class Attention(nn.Module):
+  """Multi-head attention with separate query/key/value/out projections (names match HF's split).
+
+  scale_logits=False leaves logits unscaled (T5 folds 1/sqrt(Dh) into its init).
+  """
+  num_heads: int
+  head_dim: int
+  use_bias: bool = True
+  scale_logits: bool = True
+  dropout_rate: float = 0.0
+  deterministic: bool = True
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  kernel_init: Init = nn.initializers.normal(0.02)
+  query_init: Init | None = None    # default kernel_init
+  out_init: Init | None = None      # default kernel_init
+
+  @nn.compact
+  def __call__(self, x: jax.Array, context: jax.Array | None = None, *, mask: jax.Array | None = None,
+               bias: jax.Array | None = None, cache: dict | None = None,
+               cache_index: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+    """x (B,T,D) queries; context (B,S,D) keys/values (None = self-attention).
+
+    cache {'k','v'} (B,S_max,H,Dh): the new k/v are written at cache_index and the attention runs
+    over all S_max slots, so mask/bias must be (.., T, S_max). Returns (y (B,T,D), updated cache).
+    """
+    context = x if context is None else context
+    dense = functools.partial(Dense, (self.num_heads, self.head_dim), ("embed", "heads", "kv"),
+                              use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+    q = dense(kernel_init=self.query_init or self.kernel_init, name="query")(x)
+    k = dense(kernel_init=self.kernel_init, name="key")(context)
+    v = dense(kernel_init=self.kernel_init, name="value")(context)
+    q, k, v = (constrain(t, ("batch", "length", "heads", "kv")) for t in (q, k, v))
+    if cache is not None:
+      start = (0, cache_index, 0, 0)
+      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start)
+      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)
+      cache = {"k": k, "v": v}
+      k, v = k.astype(self.dtype), v.astype(self.dtype)
+    dropout_rng = None
+    if not self.deterministic and self.dropout_rate > 0.0:
+      dropout_rng = self.make_rng("dropout")
+    y = dot_product_attention(q, k, v, mask=mask, bias=bias, scale=None if self.scale_logits else 1.0,
+                              dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
+    y = constrain(y, ("batch", "length", "heads", "kv"))
+    out = Dense((x.shape[-1],), ("heads", "kv", "embed"), use_bias=self.use_bias, dtype=self.dtype,
+                param_dtype=self.param_dtype, kernel_init=self.out_init or self.kernel_init, name="out")(y)
+    return constrain(out, ("batch", "length", "embed")), cache
+
+
+class MLP(nn.Module):
+  """wo(act(wi x)) or, gated (T5 v1.1), wo(act(wi_0 x) * wi_1 x); dropout after the activation."""
+  d_ff: int
+  activation: str = "gelu"
+  gated: bool = False
+  use_bias: bool = True
+  dropout_rate: float = 0.0
+  deterministic: bool = True
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  kernel_init: Init = nn.initializers.normal(0.02)
+  out_init: Init | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    act = activation(self.activation)
+    dense = functools.partial(Dense, (self.d_ff,), ("embed", "mlp"), use_bias=self.use_bias, dtype=self.dtype,
+                              param_dtype=self.param_dtype, kernel_init=self.kernel_init)
+    if self.gated:
+      h = act(dense(name="wi_0")(x)) * dense(name="wi_1")(x)
+    else:
+      h = act(dense(name="wi")(x))
+    h = constrain(h, ("batch", "length", "mlp"))
+    h = nn.Dropout(self.dropout_rate, deterministic=self.deterministic)(h)
+    out = Dense((x.shape[-1],), ("mlp", "embed"), use_bias=self.use_bias, dtype=self.dtype,
+                param_dtype=self.param_dtype, kernel_init=self.out_init or self.kernel_init, name="wo")(h)
+    return constrain(out, ("batch", "length", "embed"))
+
+
+def stack(block: type[nn.Module], num_layers: int, *, scan: bool, remat: str = "none", name: str = "layers",
+          **block_attrs) -> Callable[..., tuple[jax.Array, Any]]:
+  """`num_layers` copies of `block`, created in the calling module's compact method.
+
+  The block is called as block(x, cache, *shared) -> (x, cache): `cache` is that layer's slice of a
+  pytree stacked on a leading layer axis (or None), `shared` (masks, biases, encoder output, cache
+  index) is the same for every layer. Returns f(x, cache, *shared) -> (x, stacked new cache).
+  scan=True: nn.scan, params under `name` with a leading 'layers' axis (compile time independent
+  of depth); False: a python loop over `name_0` ... Remat policy per REMAT_POLICIES.
+  """
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"unknown remat_policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
+  if remat != "none":
+    block = nn.remat(block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+  if scan:
+    def scanned(x, cache, *shared):
+      layer = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                      in_axes=(0,) + (nn.broadcast,) * len(shared), length=num_layers,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+      return layer(name=name, **block_attrs)(x, cache, *shared)
+    return scanned
+
+  def looped(x, cache, *shared):
+    new = []
+    for i in range(num_layers):
+      layer_cache = None if cache is None else jax.tree.map(lambda a: a[i], cache)
+      x, layer_cache = block(name=f"{name}_{i}", **block_attrs)(x, layer_cache, *shared)
+      new.append(layer_cache)
+    return x, None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
+  return looped
+
+
+def get_layers(tree: dict, num_layers: int, name: str = "layers") -> list[dict]:
+  """Per-layer param trees from either layout: scanned `name` (leading layer axis) or `name_<i>`."""
+  if name in tree:
+    return [jax.tree.map(lambda a: a[i], tree[name]) for i in range(num_layers)]
+  return [tree[f"{name}_{i}"] for i in range(num_layers)]
+
+
+def put_layers(layers: Sequence[dict], scan: bool, name: str = "layers") -> dict:
+  """Inverse of get_layers: {name: stacked} when scan else {name_0: ..., name_1: ...}."""
+  if scan:
+    return {name: jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *layers)}
+  return {f"{name}_{i}": layer for i, layer in enumerate(layers)}
