@@ -27,7 +27,7 @@ port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0));
 declare -A index  # pid -> process index, for the processes still running
 for ((i = 0; i < num; i++)); do
   LM_JAX_COORDINATOR=127.0.0.1:$port LM_JAX_NUM_PROCESSES=$num LM_JAX_PROCESS_ID=$i \
-  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$devices ${XLA_FLAGS:-}" \
+  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$devices${XLA_FLAGS:+ $XLA_FLAGS}" \
   PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" \
     "$python" -m lm_jax.main "$@" >"$logdir/process_$i.log" 2>&1 &
   index[$!]=$i
