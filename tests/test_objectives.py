@@ -175,9 +175,9 @@ def test_microbatches_add_up_to_the_full_batch(name, monkeypatch):
   batch = jax.tree.map(jnp.asarray, make(config, 8, np.random.default_rng(0)))
   params = _fake_params(config.model.vocab_size, jax.random.key(0))
   den = objective.denominators(batch)
-  full_loss, full = objective.loss(config.model, params, batch, den, rng=None, train=False)
-  parts = [objective.loss(config.model, params, jax.tree.map(lambda x: x[i:i + 2], batch), den, rng=None,
-                          train=False)[1] for i in range(0, 8, 2)]
+  loss_fn = jax.jit(lambda b: objective.loss(config.model, params, b, den, rng=None, train=False))
+  full_loss, full = loss_fn(batch)
+  parts = [loss_fn(jax.tree.map(lambda x: x[i:i + 2], batch))[1] for i in range(0, 8, 2)]
   assert set(full) >= {"loss", "token_loss"} | {"mlm": {"mlm_accuracy", "nsp_accuracy"}}.get(name, {"accuracy"})
   for k in full:
     np.testing.assert_allclose(sum(p[k] for p in parts), full[k], rtol=1e-5, err_msg=k)
@@ -257,3 +257,49 @@ def test_check_names_the_field(name, change, message):
     node[leaf] = value
   with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
     objectives.check(config)
+
+
+# ---------------------------------------------------------------- tiny real models
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_end_to_end_on_tiny_real_models(name):
+  family, make = CASES[name]
+  config = _config(name, family, nsp=name == "mlm")
+  config.model.dropout_rate = config.model.attention_dropout_rate = 0.1
+  objectives.check(config)
+  objective = objectives.get(name, config)
+  params = models.init(config.model, jax.random.key(0))
+  batch = jax.tree.map(jnp.asarray, make(config, 4, np.random.default_rng(0)))
+  den = objective.denominators(batch)
+  loss_fn = lambda p: objective.loss(config.model, p, batch, den, rng=jax.random.key(1), train=True)
+  (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+  assert all(np.isfinite(v) for v in metrics.values()), metrics
+  assert abs(metrics["token_loss"] - np.log(config.model.vocab_size)) < 1.0  # ~uniform at init
+  zero = [jax.tree_util.keystr(p) for p, g in jax.tree_util.tree_leaves_with_path(grads) if not np.any(g)]
+  assert not zero, f"parameters without gradient: {zero}"
+
+
+def test_packed_gpt_row_equals_documents_alone():
+  config = _config("clm", "gpt")
+  params = models.init(config.model, jax.random.key(0))
+  rng = np.random.default_rng(7)
+  docs = [rng.integers(1, V, n) for n in (9, 5, 11)]
+  row = {k: jnp.asarray(v[None]) for k, v in _pack(docs, config.data.seq_len).items()}
+  objective = objectives.get("clm")
+  packed = models.apply(config.model, params, dict(input_ids=row["input_ids"], segment_ids=row["segment_ids"],
+                                                   positions=row["positions"],
+                                                   attention_mask=(row["segment_ids"] > 0).astype(jnp.int32)))
+  nll = lambda b: objective.loss(config.model, params, b, objective.denominators(b), rng=None, train=False)[1]
+  start, alone_sum = 0, 0.0
+  for doc in docs:
+    alone = {k: jnp.asarray(v[None]) for k, v in _pack([doc], len(doc)).items()}
+    logits = models.apply(config.model, params, dict(input_ids=alone["input_ids"], segment_ids=alone["segment_ids"],
+                                                     positions=alone["positions"],
+                                                     attention_mask=jnp.ones_like(alone["input_ids"])))["logits"]
+    np.testing.assert_allclose(packed["logits"][0, start:start + len(doc)], logits[0], atol=1e-5, rtol=1e-5)
+    alone_sum += nll(alone)["token_loss"] * (len(doc) - 1)
+    start += len(doc)
+  # Through the objective: the packed row's loss is exactly the documents' losses, padding never counted.
+  np.testing.assert_allclose(nll(row)["token_loss"] * float(row["weights"].sum()), alone_sum, rtol=1e-5)
+  padded = dict(row, input_ids=row["input_ids"].at[0, start:].set(3), targets=row["targets"].at[0, start:].set(4))
+  np.testing.assert_allclose(nll(padded)["token_loss"], nll(row)["token_loss"], rtol=1e-6)
