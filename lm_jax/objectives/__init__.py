@@ -14,7 +14,8 @@ NUM_SENTINELS = 100  # T5's <extra_id_0..99> at the top of the vocabulary
 class Objective:
   """features(config) -> {name: (per-example shape, numpy dtype)}; denominators(batch) -> {str: scalar} from the
   FULL batch; loss(model_cfg, params, batch, den, *, rng, train) -> (loss, metrics), all sums / den, so summing
-  over microbatches gives exactly the full-batch values."""
+  over microbatches gives exactly the full-batch values. Denominators are at least 1, so a batch without scored
+  tokens gives 0, not NaN."""
   name: str
   family: str
   features: Callable
