@@ -39,7 +39,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.clip_norm = 1.0
 
   c.batch_size = 8
-  c.total_steps = 100
+  c.total_steps = 100            # length of the lr schedule
+  c.phase_end_step = 0            # stop here (0 = total_steps); BERT phase 1 ends at 90% of the schedule
   c.microbatches = 1
   c.seed = 0
   c.log_every = 10
@@ -52,6 +53,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1                # -1 takes the devices the other axes leave
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  c.logical_axis_rules = ()       # ((logical_name, mesh_axes), ...); () = lm_jax.sharding.RULES
   return c
 
 

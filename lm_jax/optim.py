@@ -1,0 +1,61 @@
+"""Optimizers and learning-rate schedules from `config.optimizer`, built from optax pieces.
+
+The papers' recipes (REFERENCE.md §1.2, §2, §3.3):
+  bert_adamw  Adam + decoupled weight decay (lr * wd * param) skipped for LayerNorm and biases, eps 1e-6
+              (google-research/bert AdamWeightDecayOptimizer). One difference: that optimizer has no bias
+              correction, optax's Adam always applies it; the two agree after ~1/(1-b2) = 1000 steps, inside
+              BERT's 10k-step warmup where the learning rate is still below 1e-5.
+  adam_l2     GPT-1: Adam + the "modified L2" of openai/finetune-transformer-lm opt.py, which is the same
+              decoupled decay (lr * l2 * param) on weights of rank > 1.
+  adafactor   T5: factored second moments, update clipping 1.0, decay 0.8, parameter-scaled steps.
+  adamw       generic AdamW, decay on weights of rank > 1.
+"Rank" ignores the stacked 'layers' axis of scanned models, so LayerNorm scales and biases are vectors
+with or without `scan_layers`; for BERT that is exactly "not LayerNorm, not bias".
+"""
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec
+
+OPTIMIZERS = ("bert_adamw", "adam_l2", "adafactor", "adamw")
+SCHEDULES = ("linear", "cosine", "rsqrt", "constant")
+
+
+def schedule(opt, total_steps: int):
+  """Learning rate as a function of the update count (0 for the first update)."""
+  lr, w, t = opt.lr, opt.warmup_steps, total_steps
+  if opt.schedule == "linear":  # BERT: lr * step/w during warmup, else lr * (1 - step/total) (power-1 poly decay)
+    decay = optax.linear_schedule(lr * (1 - w / t), 0.0, t - w) if t > w else optax.constant_schedule(0.0)
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, w), decay], [w]) if w else decay
+  if opt.schedule == "cosine":  # GPT-1: linear warmup from 0, then cosine to 0 at total_steps
+    decay = optax.cosine_decay_schedule(lr, max(t - w, 1))
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, w), decay], [w]) if w else decay
+  if opt.schedule == "rsqrt":  # T5: lr * sqrt(w / max(step, w)); lr 0.01, w 10k = 1/sqrt(max(step, 10k))
+    w = max(w, 1)
+    return lambda step: lr * jnp.sqrt(w / jnp.maximum(step, w).astype(jnp.float32))
+  if opt.schedule == "constant":
+    return optax.warmup_constant_schedule(0.0, lr, w) if w else optax.constant_schedule(lr)
+  raise ValueError(f"config.optimizer.schedule={opt.schedule!r} unknown; use one of {', '.join(SCHEDULES)}")
+
+
+def decay_mask(logical_axes):
+  """True for weights of rank > 1, not counting the scanned 'layers' axis (see module doc)."""
+  rank = lambda spec: sum(1 for a in spec if a != "layers")
+  return jax.tree.map(lambda s: rank(s) > 1, logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def make(config, logical_axes):
+  """Returns (optax transformation, lr schedule) for config.optimizer; logical_axes from lm_jax.models."""
+  opt = config.optimizer
+  if opt.name not in OPTIMIZERS:
+    raise ValueError(f"config.optimizer.name={opt.name!r} unknown; use one of {', '.join(OPTIMIZERS)}")
+  lr = schedule(opt, config.total_steps)
+  if opt.name == "adafactor":
+    tx = optax.adafactor(lr, weight_decay_rate=opt.weight_decay or None,
+                         weight_decay_mask=decay_mask(logical_axes) if opt.weight_decay else None)
+  else:
+    tx = optax.adamw(lr, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                     mask=decay_mask(logical_axes))
+  if opt.clip_norm:
+    tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm), tx)
+  return tx, lr

@@ -1,0 +1,75 @@
+"""The one train step and the eval step, for every objective.
+
+Train state is a plain dict {params, opt_state, step}. Randomness is fold_in(seed, step), so a resumed
+run replays the same dropout masks. Objectives return sums divided by denominators of the FULL batch,
+so summing loss, metrics and gradients over microbatches gives exactly the full-batch values.
+"""
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from lm_jax import sharding
+
+
+def init_state(params, tx) -> dict:
+  return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def _split(batch, n, mesh):
+  """(B, ...) -> (n, B/n, ...) with microbatch i = rows i, i+n, ...: every device keeps its own rows, so
+  each microbatch stays spread over all data-parallel devices and no data moves."""
+  def split(x):
+    x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, sharding.BATCH_AXES)))
+  return jax.tree.map(split, batch)
+
+
+def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
+  """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars."""
+  model_cfg, n = config.model, config.microbatches
+  seed_key = jax.random.key(config.seed)
+
+  def loss_fn(params, batch, den, rng):
+    loss, metrics = objective.loss(model_cfg, params, batch, den, rng=rng, train=True)
+    return loss, metrics
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def step(state, batch):
+    params = state["params"]
+    den = objective.denominators(batch)
+    rng = jax.random.fold_in(seed_key, state["step"])
+    f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+    if n == 1:
+      (_, metrics), grads = grad_fn(params, batch, den, rng)
+      grads, metrics = f32(grads), f32(metrics)
+    else:
+      def body(acc, i_mb):
+        i, mb = i_mb
+        (_, m), g = grad_fn(params, mb, den, jax.random.fold_in(rng, i))
+        return jax.tree.map(jnp.add, acc, (f32(g), f32(m))), None
+      mbs = _split(batch, n, mesh)
+      metrics_shape = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], mbs), den, rng)[1]
+      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, metrics_shape))
+      (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(n), mbs))
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["lr"] = jnp.asarray(lr_schedule(state["step"]), jnp.float32)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
+    return new_state, metrics
+
+  replicated = NamedSharding(mesh, P())
+  return jax.jit(step, in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
+                 out_shardings=(state_sharding, replicated), donate_argnums=0)
+
+
+def make_eval_step(config, objective, params_sharding, mesh):
+  """Jitted (params, batch) -> metrics of that batch (loss, token_loss, accuracies), no dropout."""
+  def step(params, batch):
+    den = objective.denominators(batch)
+    _, metrics = objective.loss(config.model, params, batch, den, rng=None, train=False)
+    return jax.tree.map(lambda x: x.astype(jnp.float32), metrics)
+
+  return jax.jit(step, in_shardings=(params_sharding, sharding.batch_sharding(mesh)),
+                 out_shardings=NamedSharding(mesh, P()))
