@@ -1,0 +1,221 @@
+"""Tokenizers: SentencePiece (trained here or loaded) and Hugging Face (`tokenizers`) behind one interface.
+
+Special ids per family (what the objectives need):
+  bert: [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4
+  gpt:  <pad>=0 </s>=1 (eos, appended to every document) <unk>=2
+  t5:   <pad>=0 </s>=1 <unk>=2, and 100 sentinels <extra_id_k> above the SentencePiece pieces:
+        sentinel_id(k) = sp_size + 100 - 1 - k (the seqio / HF T5Tokenizer rule, so <extra_id_0> of the
+        released T5 vocab is 32099). A trained T5 tokenizer gets sp_size = model vocab - 100, which puts the
+        sentinels at the very top of the model vocab (id = vocab_size - 1 - k).
+"""
+import io
+import json
+import os
+import pathlib
+
+import numpy as np
+
+NUM_SENTINELS = 100
+_TRAIN_CHARS = 3_000_000      # training text sample; unigram on 1 MB takes a few seconds
+_SPM_SPECIALS = {
+    "bert": dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
+                 control_symbols=["[CLS]", "[SEP]", "[MASK]"]),
+    "gpt": dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1),
+    "t5": dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1),
+}
+_NAMES = {  # special role -> piece names used by SentencePiece models and HF tokenizers
+    "pad_id": ("[PAD]", "<pad>", "<|pad|>"), "unk_id": ("[UNK]", "<unk>", "<|unk|>"),
+    "cls_id": ("[CLS]", "<cls>"), "sep_id": ("[SEP]", "<sep>"), "mask_id": ("[MASK]", "<mask>"),
+    "eos_id": ("</s>", "<|endoftext|>", "<eos>"),
+}
+
+
+class Tokenizer:
+  """Text <-> ids plus the special ids a model family needs (None where the family has none)."""
+
+  def __init__(self, *, pieces, encode_batch, decode, specials, word_start, sentinels=None):
+    self._pieces = pieces
+    self._encode_batch = encode_batch
+    self._decode = decode
+    self._sentinels = sentinels               # id of <extra_id_0>, counting down; None = no sentinels
+    self.pad_id = specials.get("pad_id")
+    self.eos_id = specials.get("eos_id")
+    self.unk_id = specials.get("unk_id")
+    self.cls_id = specials.get("cls_id")
+    self.sep_id = specials.get("sep_id")
+    self.mask_id = specials.get("mask_id")
+    # Ids below the sentinels: the text pieces (the trainer adds the 100 sentinels for span corruption).
+    self.vocab_size = sentinels - NUM_SENTINELS + 1 if sentinels is not None else len(pieces)
+    self.special_ids = sorted({i for i in specials.values() if i is not None})
+    # Lookup table: does this id start a word? Specials count as word starts; unknown ids too.
+    table = np.array([word_start(p) for p in pieces] + [True], bool)
+    table[self.special_ids] = True
+    self._starts = table
+
+  def encode(self, text: str) -> list[int]:
+    return self.encode_batch([text])[0]
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    """Ids of each text, no special tokens added (the pipeline adds [CLS]/[SEP]/eos itself)."""
+    return self._encode_batch(texts)
+
+  def decode(self, ids) -> str:
+    ids = [int(i) for i in ids]
+    if self._sentinels is None:
+      return self._decode(ids)
+    out, run = [], []
+    for i in ids + [-1]:
+      if 0 <= self._sentinels - i < NUM_SENTINELS or i == -1:
+        if run:
+          out.append(self._decode(run))
+          run = []
+        if i != -1:
+          out.append(f"<extra_id_{self._sentinels - i}>")
+      else:
+        run.append(i)
+    return " ".join(out)
+
+  def sentinel_id(self, k: int) -> int:
+    if self._sentinels is None:
+      raise ValueError("this tokenizer has no <extra_id_k> sentinels (T5 family only)")
+    if not 0 <= k < NUM_SENTINELS:
+      raise ValueError(f"sentinel index {k} out of range [0, {NUM_SENTINELS})")
+    return self._sentinels - k
+
+  def word_starts(self, ids: np.ndarray) -> np.ndarray:
+    """True where a token begins a word ('▁' prefix in SentencePiece, no '##' in WordPiece), for WWM."""
+    ids = np.asarray(ids)
+    return self._starts[np.clip(ids, 0, len(self._starts) - 1)]
+
+
+def _sentencepiece(proto: bytes, family: str) -> Tokenizer:
+  import sentencepiece as spm
+  sp = spm.SentencePieceProcessor(model_proto=proto)
+  pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+  index = {p: i for i, p in enumerate(pieces)}
+  specials = {role: next((index[n] for n in names if n in index), None) for role, names in _NAMES.items()}
+  if sp.unk_id() >= 0:
+    specials["unk_id"] = sp.unk_id()
+  if sp.pad_id() >= 0:
+    specials["pad_id"] = sp.pad_id()
+  if sp.eos_id() >= 0:
+    specials["eos_id"] = sp.eos_id()
+  sentinels = len(pieces) + NUM_SENTINELS - 1 if family == "t5" else None
+  _check_family(specials, family, "SentencePiece model")
+  return Tokenizer(pieces=pieces, encode_batch=lambda t: sp.encode(t, num_threads=os.cpu_count() or 1),
+                   decode=sp.decode, specials=specials, word_start=lambda p: p.startswith("▁"),
+                   sentinels=sentinels)
+
+
+def _huggingface(path: pathlib.Path, family: str) -> Tokenizer:
+  """A Hugging Face tokenizer: tokenizer.json, or a WordPiece vocab.txt (+ tokenizer_config.json)."""
+  import tokenizers
+  folder = path if path.is_dir() else path.parent
+  config = _read_json(folder / "tokenizer_config.json")
+  if path.is_dir():
+    path = folder / "tokenizer.json" if (folder / "tokenizer.json").exists() else folder / "vocab.txt"
+  if path.name.endswith(".json"):
+    tok = tokenizers.Tokenizer.from_file(str(path))
+  else:
+    tok = tokenizers.BertWordPieceTokenizer(str(path), lowercase=config.get("do_lower_case", True))
+  tok.no_padding()
+  tok.no_truncation()
+  vocab = tok.get_vocab(with_added_tokens=True)
+  pieces = [""] * (max(vocab.values()) + 1)
+  for p, i in vocab.items():
+    pieces[i] = p
+  declared = _read_json(folder / "special_tokens_map.json")
+  specials = {}
+  for role, names in _NAMES.items():
+    name = declared.get(role[:-3] + "_token")
+    name = name.get("content") if isinstance(name, dict) else name
+    specials[role] = next((vocab[n] for n in ((name,) if name else ()) + names if n in vocab), None)
+  wordpiece = type(tok.model).__name__ == "WordPiece"
+  if wordpiece:
+    word_start = lambda p: not p.startswith("##")
+  elif any(p.startswith("Ġ") for p in pieces[:1000]):
+    word_start = lambda p: p.startswith("Ġ")
+  else:
+    word_start = lambda p: p.startswith("▁")
+  sentinels = vocab.get("<extra_id_0>") if family == "t5" else None
+  if family == "t5" and sentinels is None:
+    raise ValueError(f"tokenizer {path}: a T5 tokenizer needs <extra_id_0..99> tokens")
+  _check_family(specials, family, str(path))
+  encode = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+  return Tokenizer(pieces=pieces, encode_batch=encode, decode=tok.decode, specials=specials,
+                   word_start=word_start, sentinels=sentinels)
+
+
+def _read_json(path: pathlib.Path) -> dict:
+  return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _check_family(specials, family, what):
+  need = {"bert": ("pad_id", "cls_id", "sep_id", "mask_id"), "gpt": ("eos_id",), "t5": ("pad_id", "eos_id")}
+  missing = [r[:-3] for r in need[family] if specials.get(r) is None]
+  if missing:
+    raise ValueError(f"{what}: no {', '.join(missing)} token, which family {family!r} needs")
+
+
+def load(path: str, family: str) -> Tokenizer:
+  """A SentencePiece .model, or a Hugging Face tokenizer.json / vocab.txt / checkpoint directory."""
+  p = pathlib.Path(path).expanduser()
+  if not p.exists():
+    raise FileNotFoundError(f"config.data.tokenizer: {path} does not exist")
+  models = sorted(p.glob("*.model")) if p.is_dir() else []
+  if p.is_dir() and not (p / "tokenizer.json").exists() and not (p / "vocab.txt").exists():
+    if not models:
+      raise FileNotFoundError(f"config.data.tokenizer: {path} has no tokenizer.json, vocab.txt or *.model")
+    p = models[0]
+  if p.suffix == ".model":
+    return _sentencepiece(p.read_bytes(), family)
+  return _huggingface(p, family)
+
+
+def train(lines, *, family: str, vocab_size: int, model_type: str = "unigram") -> bytes:
+  """Serialized SentencePiece model trained on `lines` (deterministic for the same lines)."""
+  import sentencepiece as spm
+  if model_type not in ("unigram", "bpe"):
+    raise ValueError(f"config.data.tokenizer_type: {model_type!r}; use 'unigram' or 'bpe'")
+  out = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(lines), model_writer=out, vocab_size=vocab_size, model_type=model_type,
+      hard_vocab_limit=False,       # a small corpus may not support the requested size: take what it has
+      num_threads=2, minloglevel=2, **_SPM_SPECIALS[family])
+  return out.getvalue()
+
+
+def spm_vocab_size(family: str, model_vocab_size: int) -> int:
+  """SentencePiece size to train so the tokenizer fills the model vocab (T5 keeps 100 ids for sentinels)."""
+  size = model_vocab_size - (NUM_SENTINELS if family == "t5" else 0)
+  if size < 16:
+    raise ValueError(f"config.model.vocab_size={model_vocab_size} is too small for a {family} tokenizer"
+                     + (f" plus {NUM_SENTINELS} sentinels" if family == "t5" else ""))
+  return size
+
+
+def load_or_train(config, workdir: str) -> Tokenizer:
+  """config.data.tokenizer if set; else a SentencePiece model trained on a sample of the training
+  text and cached in workdir (every host trains the same bytes, so nothing needs sharing)."""
+  family, vocab = config.model.family, config.model.vocab_size
+  if config.data.tokenizer:
+    tok = load(config.data.tokenizer, family)
+  else:
+    size = spm_vocab_size(family, vocab)
+    kind = config.data.tokenizer_type
+    path = pathlib.Path(workdir) / f"tokenizer_{family}_{kind}_{size}.model"
+    if not path.exists():
+      from lm_jax.data import sources
+      proto = train(sources.training_text(config, _TRAIN_CHARS), family=family, vocab_size=size,
+                    model_type=kind)
+      path.parent.mkdir(parents=True, exist_ok=True)
+      tmp = path.with_suffix(f".tmp{os.getpid()}")
+      tmp.write_bytes(proto)
+      os.replace(tmp, path)
+    tok = _sentencepiece(path.read_bytes(), family)
+  need = tok.vocab_size + (NUM_SENTINELS if family == "t5" else 0)
+  if vocab < need:
+    extra = f" + {NUM_SENTINELS} sentinels" if family == "t5" else ""
+    raise ValueError(f"config.model.vocab_size={vocab} is smaller than the tokenizer's {tok.vocab_size} "
+                     f"tokens{extra} = {need}")
+  return tok
