@@ -15,6 +15,7 @@ the whole buffer (the caller's mask hides unwritten slots); `stack` slices a cac
 leading layer axis and restacks the updated one.
 """
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -58,6 +59,13 @@ def head_dim(cfg) -> int:
 def frozen(cfg) -> ml_collections.FrozenConfigDict:
   """Modules keep the model config as a hashable FrozenConfigDict."""
   return cfg if isinstance(cfg, ml_collections.FrozenConfigDict) else ml_collections.FrozenConfigDict(cfg)
+
+
+def replace(cfg, **fields) -> ml_collections.ConfigDict:
+  """An unlocked copy of a model config with some fields changed."""
+  new = ml_collections.ConfigDict(cfg.to_dict())
+  new.update(fields)
+  return new
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
@@ -270,6 +278,26 @@ class MLP(nn.Module):
     return constrain(out, ("batch", "length", "embed"))
 
 
+class PostLNBlock(nn.Module):
+  """BERT / GPT-1 layer: x = LN(x + Drop(Attn(x))); x = LN(x + Drop(MLP(x))). cfg: the model config."""
+  cfg: Any
+  deterministic: bool = True
+  kernel_init: Init = nn.initializers.normal(0.02)
+
+  @nn.compact
+  def __call__(self, x, cache, mask, cache_index=None):
+    cfg = self.cfg
+    kw = dict(dtype=dtype(cfg.dtype), param_dtype=dtype(cfg.param_dtype))
+    drop = nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
+    a, cache = Attention(cfg.num_heads, head_dim(cfg), dropout_rate=cfg.attention_dropout_rate,
+                         deterministic=self.deterministic, kernel_init=self.kernel_init, name="attention",
+                         **kw)(x, mask=mask, cache=cache, cache_index=cache_index)
+    x = LayerNorm(cfg.layer_norm_eps, name="attention_ln", **kw)(x + drop(a))
+    h = MLP(cfg.d_ff, cfg.activation, kernel_init=self.kernel_init, name="mlp", **kw)(x)
+    x = LayerNorm(cfg.layer_norm_eps, name="mlp_ln", **kw)(x + drop(h))
+    return constrain(x, ("batch", "length", "embed")), cache
+
+
 def stack(block: type[nn.Module], num_layers: int, *, scan: bool, remat: str = "none", name: str = "layers",
           **block_attrs) -> Callable[..., tuple[jax.Array, Any]]:
   """`num_layers` copies of `block`, created in the calling module's compact method.
@@ -314,3 +342,47 @@ def put_layers(layers: Sequence[dict], scan: bool, name: str = "layers") -> dict
   if scan:
     return {name: jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *layers)}
   return {f"{name}_{i}": layer for i, layer in enumerate(layers)}
+
+
+# Hugging Face conversion. A table row (hf_name, path, kind) ties one HF tensor to the param at
+# `path` (tuple of keys). kind: 'same' (as is), 'flat' (HF keeps it 1-D, e.g. a (H, Dh) bias),
+# 'T<n>' a torch Linear weight (out, in) for a kernel with n input dims, 'C<n>' the same stored
+# (in, out) (GPT's Conv1D).
+
+def to_hf_array(a, kind: str) -> np.ndarray:
+  a = np.asarray(a, np.float32)
+  if kind == "same":
+    return a
+  if kind == "flat":
+    return a.reshape(-1)
+  n_in = int(kind[1:])
+  w = a.reshape(math.prod(a.shape[:n_in]), -1)
+  return np.ascontiguousarray(w.T if kind[0] == "T" else w)
+
+
+def from_hf_array(t: np.ndarray, kind: str, shape: Sequence[int]) -> np.ndarray:
+  t = np.asarray(t, np.float32)
+  if kind[0] == "T":
+    t = t.T
+  if t.size != math.prod(shape):
+    raise ValueError(f"HF tensor of shape {t.shape} does not fit param shape {tuple(shape)}")
+  return t.reshape(shape)
+
+
+def tree_to_hf(tree: dict, table, prefix: str = "") -> dict[str, np.ndarray]:
+  return {prefix + hf: to_hf_array(functools.reduce(lambda t, k: t[k], path, tree), kind)
+          for hf, path, kind in table}
+
+
+def tree_from_hf(tensors: dict, table, shapes: dict, prefix: str = "") -> dict:
+  """Nested param tree for `table` from HF tensors; `shapes` is a tree of (Abstract) arrays."""
+  out = {}
+  for hf, path, kind in table:
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    if prefix + hf not in tensors:
+      raise ValueError(f"checkpoint lacks tensor {prefix + hf!r}")
+    shape = functools.reduce(lambda t, k: t[k], path, shapes).shape
+    node[path[-1]] = from_hf_array(tensors[prefix + hf], kind, shape)
+  return out

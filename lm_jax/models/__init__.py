@@ -1,0 +1,102 @@
+"""Models API: init / abstract_params / logical_axes / apply / decoding, dispatched on model_cfg.family.
+
+Each family module (bert.py, gpt.py, t5.py) provides:
+  Model                 linen Module; Model(cfg)(batch, train=False) -> dict of outputs, where cfg is the
+                        model config as a FrozenConfigDict (layers.frozen)
+  example_batch(cfg)    a tiny batch of the family's input keys, for init / eval_shape
+  HEADS                 (optional) top-level param names that are task heads (summary counts them apart)
+  init_cache(cfg, batch_size, max_length), decode(cfg, params, cache, batch) -> (logits, cache)
+                        (decoders) incremental decoding with an explicit KV-cache pytree
+  hf_config, config_from_hf, to_hf, from_hf   Hugging Face conversion (lm_jax.export)
+"""
+import importlib
+import math
+
+import flax.linen as nn
+import jax
+
+from lm_jax.models import layers
+
+FAMILIES = ("bert", "gpt", "t5")
+
+
+def family_module(model_cfg):
+  if model_cfg.family not in FAMILIES:
+    raise ValueError(f"unknown model.family {model_cfg.family!r}; known: {', '.join(FAMILIES)}")
+  return importlib.import_module(f"lm_jax.models.{model_cfg.family}")
+
+
+def validate(model_cfg) -> None:
+  """One-line ValueError for a config no model can be built from."""
+  family_module(model_cfg)
+  get = model_cfg.get
+  sizes = ["vocab_size", "d_model", "num_layers", "num_heads", "d_ff"]
+  sizes += {"bert": ["max_positions", "type_vocab_size"], "gpt": ["max_positions"],
+            "t5": ["relative_attention_num_buckets", "relative_attention_max_distance"]}[model_cfg.family]
+  for name in sizes:
+    if not isinstance(get(name), int) or get(name) <= 0:
+      raise ValueError(f"model.{name} must be a positive integer, got {get(name)!r}")
+  for name in ("head_dim", "num_decoder_layers"):
+    if not isinstance(get(name, 0), int) or get(name, 0) < 0:
+      raise ValueError(f"model.{name} must be a non-negative integer (0 = default), got {get(name)!r}")
+  if not get("head_dim", 0) and model_cfg.d_model % model_cfg.num_heads:
+    raise ValueError(f"model.num_heads={model_cfg.num_heads} does not divide model.d_model={model_cfg.d_model}; "
+                     "change one or set model.head_dim")
+  layers.activation(model_cfg.activation)
+  layers.dtype(model_cfg.dtype)
+  layers.dtype(model_cfg.param_dtype)
+  if get("remat_policy", "none") not in layers.REMAT_POLICIES:
+    raise ValueError(f"unknown model.remat_policy {get('remat_policy')!r}; known: {', '.join(layers.REMAT_POLICIES)}")
+  for name in ("dropout_rate", "attention_dropout_rate"):
+    if not 0.0 <= get(name, 0.0) < 1.0:
+      raise ValueError(f"model.{name} must be in [0, 1), got {get(name)!r}")
+  if not get("layer_norm_eps", 1.0) > 0:
+    raise ValueError(f"model.layer_norm_eps must be positive, got {get('layer_norm_eps')!r}")
+
+
+def _boxed_init(model_cfg, rng):
+  cfg = layers.frozen(model_cfg)
+  mod = family_module(cfg)
+  return mod.Model(cfg).init({"params": rng}, mod.example_batch(cfg))["params"]
+
+
+def init(model_cfg, rng: jax.Array) -> dict:
+  """Random params (a plain pytree of arrays in model.param_dtype)."""
+  validate(model_cfg)
+  return jax.jit(lambda r: nn.meta.unbox(_boxed_init(model_cfg, r)))(rng)
+
+
+def abstract_params(model_cfg) -> dict:
+  """Param shapes and dtypes as ShapeDtypeStructs, allocating nothing."""
+  validate(model_cfg)
+  return jax.eval_shape(lambda: nn.meta.unbox(_boxed_init(model_cfg, jax.random.PRNGKey(0))))
+
+
+def logical_axes(model_cfg) -> dict:
+  """PartitionSpecs of logical axis names, same tree structure as the params."""
+  validate(model_cfg)
+  return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(model_cfg, jax.random.PRNGKey(0))))
+
+
+def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:
+  """Forward pass; dropout only when train=True (rng required then)."""
+  if train and rng is None:
+    raise ValueError("models.apply(train=True) needs an rng for dropout")
+  cfg = layers.frozen(model_cfg)
+  rngs = {"dropout": rng} if train else {}
+  return family_module(cfg).Model(cfg).apply({"params": params}, batch, train=train, rngs=rngs)
+
+
+def init_cache(model_cfg, batch_size: int, max_length: int) -> dict:
+  """Empty KV cache for incremental decoding of `max_length` positions (see the family's init_cache)."""
+  return family_module(model_cfg).init_cache(layers.frozen(model_cfg), batch_size, max_length)
+
+
+def decode(model_cfg, params: dict, cache: dict, batch: dict) -> tuple[jax.Array, dict]:
+  """Feeds the next tokens through the decoder: -> (logits for them, updated cache)."""
+  return family_module(model_cfg).decode(layers.frozen(model_cfg), params, cache, batch)
+
+
+def count(tree) -> int:
+  """Number of scalars in a param (or ShapeDtypeStruct) tree."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
