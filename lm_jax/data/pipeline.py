@@ -182,11 +182,11 @@ class Rows:
 
   def _pair_window(self, epoch, cursor, n_rows):
     pos, off = cursor
-    out = []
+    out, ready = [], pos
     while len(out) < n_rows and pos < self.epoch_len:
-      if off == 0:     # tokenize the next documents together, one batched call
-        self.corpus.tokens([self.doc_id(epoch, p) for p in range(pos, min(pos + _DOCS_PER_CALL,
-                                                                          self.epoch_len))])
+      if pos >= ready:     # tokenize the next documents together, one batched call
+        ready = min(pos + _DOCS_PER_CALL, self.epoch_len)
+        self.corpus.tokens([self.doc_id(epoch, p) for p in range(pos, ready)])
       pairs = self.pairs(epoch, pos)
       take = pairs[off:off + n_rows - len(out)]
       out += take

@@ -102,7 +102,7 @@ def _sentencepiece(proto: bytes, family: str) -> Tokenizer:
     specials["eos_id"] = sp.eos_id()
   sentinels = len(pieces) + NUM_SENTINELS - 1 if family == "t5" else None
   _check_family(specials, family, "SentencePiece model")
-  return Tokenizer(pieces=pieces, encode_batch=lambda t: sp.encode(t, num_threads=os.cpu_count() or 1),
+  return Tokenizer(pieces=pieces, encode_batch=lambda t: sp.encode(t, num_threads=min(len(t) // 16 + 1, os.cpu_count() or 1)),
                    decode=sp.decode, specials=specials, word_start=lambda p: p.startswith("▁"),
                    sentinels=sentinels)
 
