@@ -1,12 +1,13 @@
 """Models API: init / abstract_params / logical_axes / apply / decoding, dispatched on model_cfg.family.
 
-Each family module (bert.py, gpt.py, t5.py) provides:
+Each family module (bert.py, gpt.py, t5.py) provides either
   Model                 linen Module; Model(cfg)(batch, train=False) -> dict of outputs, where cfg is the
-                        model config as a FrozenConfigDict (layers.frozen)
-  example_batch(cfg)    a tiny batch of the family's input keys, for init / eval_shape
+                        model config as a FrozenConfigDict (layers.frozen), and
+  example_batch(cfg)    a tiny batch of the family's input keys, for init / eval_shape,
+or its own init / abstract_params / logical_axes / apply with the signatures below (t5.py does), and
+  check_config(cfg)     (optional) family-specific checks, run after the generic ones in validate
   HEADS                 (optional) top-level param names that are task heads (summary counts them apart)
-  init_cache(cfg, batch_size, max_length), decode(cfg, params, cache, batch) -> (logits, cache)
-                        (decoders) incremental decoding with an explicit KV-cache pytree
+  init_cache, decode_step   (decoders) incremental decoding with an explicit KV-cache pytree
   hf_config, config_from_hf, to_hf, from_hf   Hugging Face conversion (lm_jax.export)
 """
 import importlib
@@ -20,10 +21,12 @@ from lm_jax.models import layers
 FAMILIES = ("bert", "gpt", "t5")
 
 
-def family_module(model_cfg):
-  if model_cfg.family not in FAMILIES:
-    raise ValueError(f"unknown model.family {model_cfg.family!r}; known: {', '.join(FAMILIES)}")
-  return importlib.import_module(f"lm_jax.models.{model_cfg.family}")
+def family_module(model_cfg_or_family):
+  """The module of a family ('bert', 'gpt', 't5'), given its name or a model config."""
+  family = getattr(model_cfg_or_family, "family", model_cfg_or_family)
+  if family not in FAMILIES:
+    raise ValueError(f"unknown model.family {family!r}; known: {', '.join(FAMILIES)}")
+  return importlib.import_module(f"lm_jax.models.{family}")
 
 
 def validate(model_cfg) -> None:
@@ -52,6 +55,9 @@ def validate(model_cfg) -> None:
       raise ValueError(f"model.{name} must be in [0, 1), got {get(name)!r}")
   if not get("layer_norm_eps", 1.0) > 0:
     raise ValueError(f"model.layer_norm_eps must be positive, got {get('layer_norm_eps')!r}")
+  check = getattr(family_module(model_cfg), "check_config", None)
+  if check:
+    check(model_cfg)
 
 
 def _boxed_init(model_cfg, rng):
@@ -63,38 +69,53 @@ def _boxed_init(model_cfg, rng):
 def init(model_cfg, rng: jax.Array) -> dict:
   """Random params (a plain pytree of arrays in model.param_dtype)."""
   validate(model_cfg)
+  mod = family_module(model_cfg)
+  if hasattr(mod, "init"):
+    return mod.init(model_cfg, rng)
   return jax.jit(lambda r: nn.meta.unbox(_boxed_init(model_cfg, r)))(rng)
 
 
 def abstract_params(model_cfg) -> dict:
   """Param shapes and dtypes as ShapeDtypeStructs, allocating nothing."""
   validate(model_cfg)
+  mod = family_module(model_cfg)
+  if hasattr(mod, "abstract_params"):
+    return mod.abstract_params(model_cfg)
   return jax.eval_shape(lambda: nn.meta.unbox(_boxed_init(model_cfg, jax.random.PRNGKey(0))))
 
 
 def logical_axes(model_cfg) -> dict:
   """PartitionSpecs of logical axis names, same tree structure as the params."""
   validate(model_cfg)
+  mod = family_module(model_cfg)
+  if hasattr(mod, "logical_axes"):
+    return mod.logical_axes(model_cfg)
   return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(model_cfg, jax.random.PRNGKey(0))))
 
 
 def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:
   """Forward pass; dropout only when train=True (rng required then)."""
+  mod = family_module(model_cfg)
+  if hasattr(mod, "apply"):
+    return mod.apply(model_cfg, params, batch, rng=rng, train=train)
   if train and rng is None:
     raise ValueError("models.apply(train=True) needs an rng for dropout")
   cfg = layers.frozen(model_cfg)
   rngs = {"dropout": rng} if train else {}
-  return family_module(cfg).Model(cfg).apply({"params": params}, batch, train=train, rngs=rngs)
+  return mod.Model(cfg).apply({"params": params}, batch, train=train, rngs=rngs)
 
 
-def init_cache(model_cfg, batch_size: int, max_length: int) -> dict:
-  """Empty KV cache for incremental decoding of `max_length` positions (see the family's init_cache)."""
-  return family_module(model_cfg).init_cache(layers.frozen(model_cfg), batch_size, max_length)
+def init_cache(model_cfg, params: dict, batch: dict, max_length: int) -> dict:
+  """KV cache for decoding up to `max_length` positions. GPT: sized for batch['input_ids'] (params
+  unused); T5: also runs the encoder on batch['input_ids'/'attention_mask'] once."""
+  return family_module(model_cfg).init_cache(layers.frozen(model_cfg), params, batch, max_length)
 
 
-def decode(model_cfg, params: dict, cache: dict, batch: dict) -> tuple[jax.Array, dict]:
-  """Feeds the next tokens through the decoder: -> (logits for them, updated cache)."""
-  return family_module(model_cfg).decode(layers.frozen(model_cfg), params, cache, batch)
+def decode_step(model_cfg, params: dict, input_ids: jax.Array, cache: dict,
+                attention_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """Feeds the next (decoder) tokens (B,T) at cache['index'] -> (their logits (B,T,V), updated cache).
+  attention_mask (B,T) marks padding among the new tokens. Jit it with model_cfg closed over."""
+  return family_module(model_cfg).decode_step(layers.frozen(model_cfg), params, input_ids, cache, attention_mask)
 
 
 def count(tree) -> int:

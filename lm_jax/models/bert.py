@@ -163,6 +163,8 @@ def from_hf(cfg, tensors: dict) -> dict:
   (pooler, MLM / NSP heads) is initialised randomly (seed 0), as transformers does, with a warning."""
   from lm_jax import models
   prefix = "bert." if any(k.startswith("bert.") for k in tensors) else ""
+  if "cls.predictions.bias" not in tensors and "cls.predictions.decoder.bias" in tensors:   # older exports
+    tensors = {**tensors, "cls.predictions.bias": tensors["cls.predictions.decoder.bias"]}
   looped = layers.replace(cfg, scan_layers=False)
   shapes = models.abstract_params(looped)
   params, missing = {}, []

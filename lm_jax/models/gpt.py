@@ -69,19 +69,28 @@ def example_batch(cfg) -> dict:
   return {"input_ids": ids, "attention_mask": ids + 1}
 
 
-def init_cache(cfg, batch_size: int, max_length: int) -> dict:
-  """Empty cache: k/v (layers, B, max_length, heads, head_dim) in model.dtype, mask (B, max_length)
-  of filled slots, index = next slot."""
+def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
+  """Empty cache for batch['input_ids'].shape[0] rows (params unused: the signature is shared with T5):
+  k/v (layers, B, max_length, heads, head_dim) in model.dtype, mask (B, max_length) of filled slots,
+  index = next slot."""
+  del params
   if max_length > cfg.max_positions:
     raise ValueError(f"cache max_length {max_length} exceeds model.max_positions {cfg.max_positions}")
+  batch_size = batch["input_ids"].shape[0]
   shape = (cfg.num_layers, batch_size, max_length, cfg.num_heads, layers.head_dim(cfg))
   zeros = jnp.zeros(shape, layers.dtype(cfg.dtype))
   return {"k": zeros, "v": zeros, "mask": jnp.zeros((batch_size, max_length), bool), "index": jnp.zeros((), jnp.int32)}
 
 
-def decode(cfg, params: dict, cache: dict, batch: dict) -> tuple[jax.Array, dict]:
-  """Appends batch['input_ids'] (B,T) (optional attention_mask / positions) -> (logits (B,T,V), cache).
-  Jit it with cfg closed over; the first call can feed the whole prompt."""
+def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict, attention_mask: jax.Array | None = None,
+                positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """Appends input_ids (B,T) at cache['index'] -> (logits (B,T,V), cache). attention_mask marks padding
+  among the new tokens; positions default to index + arange(T). The first call can feed the prompt."""
+  batch = {"input_ids": input_ids}
+  if attention_mask is not None:
+    batch["attention_mask"] = attention_mask
+  if positions is not None:
+    batch["positions"] = positions
   out = Model(layers.frozen(cfg)).apply({"params": params}, batch, cache=cache)
   return out["logits"], out["cache"]
 
