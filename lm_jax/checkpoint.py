@@ -8,6 +8,7 @@ import json
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 # Model fields that change how the model runs, not which parameters it has: free to differ on resume.
@@ -25,6 +26,21 @@ def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
 def _plain(config) -> dict:
   """ConfigDict -> what it reads back as from JSON (tuples become lists)."""
   return json.loads(config.to_json_best_effort())
+
+
+def data_state(iterator) -> dict:
+  """{'processes': [iterator state of process 0, 1, ...]}: each host reads its own shard, so every host's
+  position is gathered (orbax writes JSON from the primary host only)."""
+  local = iterator.get_state()
+  if jax.process_count() == 1:
+    return {"processes": [local]}
+  from jax.experimental import multihost_utils
+  raw = np.frombuffer(json.dumps(local).encode(), np.uint8)
+  size = int(np.max(multihost_utils.process_allgather(np.int32(raw.size))))
+  padded = np.zeros(size, np.uint8)
+  padded[:raw.size] = raw
+  rows = multihost_utils.process_allgather(padded)
+  return {"processes": [json.loads(bytes(r).rstrip(b"\0")) for r in rows]}
 
 
 def save(mngr, step: int, state, data_state: dict, config):

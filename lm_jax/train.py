@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from lm_jax import checkpoint, evaluate, flops, metrics_log, models, objectives, optim, sharding, step
 from lm_jax.objectives import span_corruption
 
-DTYPES = ("float32", "bfloat16")
 # Dense bf16 peak TFLOP/s per device, by substring of jax.Device.device_kind (first match wins).
 PEAK_TFLOPS = (("TPU v2", 22.5), ("TPU v3", 61.5), ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
                ("TPU v5", 459.0), ("TPU v6", 918.0), ("H100", 989.0), ("H200", 989.0), ("B200", 2250.0),
@@ -35,15 +34,11 @@ def validate(config, num_devices: int, process_count: int = 1):
       raise ValueError(message)
 
   objectives.check(config)  # unknown objective, objective/family mismatch, seq_len vs positions, masking/noise
-  m, d, o = config.model, config.data, config.optimizer
+  models.validate(config.model)  # sizes, heads vs d_model, activation, dtypes, remat policy, dropout
+  m, o = config.model, config.optimizer
   require(o.name in optim.OPTIMIZERS, f"config.optimizer.name={o.name!r} unknown; use {', '.join(optim.OPTIMIZERS)}")
   require(o.schedule in optim.SCHEDULES,
           f"config.optimizer.schedule={o.schedule!r} unknown; use {', '.join(optim.SCHEDULES)}")
-  require(m.dtype in DTYPES, f"config.model.dtype={m.dtype!r} unknown; use {', '.join(DTYPES)}")
-  for field in ("d_model", "num_layers", "num_heads", "d_ff"):
-    require(m[field] >= 1, f"config.model.{field} must be >= 1, got {m[field]}")
-  require(m.head_dim or m.d_model % m.num_heads == 0,
-          f"config.model.d_model={m.d_model} is not divisible by config.model.num_heads={m.num_heads}")
   for field in ("total_steps", "microbatches", "log_every", "checkpoint_every", "batch_size"):
     require(config[field] >= 1, f"config.{field} must be >= 1, got {config[field]}")
   require(config.eval_every >= 0, f"config.eval_every must be >= 0, got {config.eval_every}")
@@ -58,23 +53,6 @@ def validate(config, num_devices: int, process_count: int = 1):
   require(config.batch_size % shards == 0,
           f"config.batch_size={config.batch_size} is not divisible by config.microbatches * mesh.data * mesh.fsdp "
           f"= {config.microbatches}*{data}*{fsdp} = {shards}")
-  if d.files:
-    if not glob.glob(os.path.expanduser(d.files)):
-      raise FileNotFoundError(f"config.data.files={d.files!r} matches no files")
-  else:
-    require(d.tfds_name, "set config.data.files (local text) or config.data.tfds_name")
-  if d.tokenizer and not os.path.exists(os.path.expanduser(d.tokenizer)):
-    raise FileNotFoundError(f"config.data.tokenizer={d.tokenizer!r} does not exist")
-
-
-def check_vocab(config, tokenizer):
-  """The model must have an embedding row for every token id (and, for T5, the sentinels above them)."""
-  reserved = objectives.NUM_SENTINELS if config.objective == "span_corruption" else 0
-  need = tokenizer.vocab_size + reserved
-  if config.model.vocab_size < need:
-    extra = f" + {reserved} sentinels" if reserved else ""
-    raise ValueError(f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-                     f"{tokenizer.vocab_size} tokens{extra} = {need}")
 
 
 # ----------------------------------------------------------------------------------------------------- setup
@@ -187,7 +165,6 @@ def _setup(config, workdir, devices=None):
   _, tokenizer_lib = _data()
   os.makedirs(workdir, exist_ok=True)
   tokenizer = tokenizer_lib.load_or_train(config, workdir)
-  check_vocab(config, tokenizer)
   mesh = sharding.make_mesh(config, devices)
   rules = sharding.rules(config)
   tx, lr = optim.make(config, models.logical_axes(config.model))
@@ -230,10 +207,12 @@ def train(config, workdir: str, *, devices=None) -> dict:
       checkpoint.check_model(saved, config, mngr.directory)
       changes = checkpoint.data_changes(saved, config)
       state, data_state = checkpoint.restore(mngr, latest, abstract, state_sh, with_data=not changes)
+      if not changes and len(data_state["processes"]) != jax.process_count():
+        changes = [f"processes: {len(data_state['processes'])} -> {jax.process_count()}"]
       if changes:
         print(f"resumed step {latest}; data config changed ({'; '.join(changes)}): fresh data iterator", flush=True)
       else:
-        train_it.set_state(data_state)
+        train_it.set_state(data_state["processes"][jax.process_index()])
         print(f"resumed step {latest} from {mngr.directory}", flush=True)
     start = latest or 0
     log = metrics_log.MetricsLog(workdir, start)
@@ -273,7 +252,7 @@ def train(config, workdir: str, *, devices=None) -> dict:
           print(metrics_log.console(record, end), flush=True)
         if s % config.checkpoint_every == 0 or last or stop:
           _check_finite(_to_host(pending), window_start, mngr)
-          checkpoint.save(mngr, s, state, train_it.get_state(), config)
+          checkpoint.save(mngr, s, state, checkpoint.data_state(train_it), config)
         paused += time.perf_counter() - t_pause  # evals and saves do not count against throughput
         result["step"] = s
         if stop:
@@ -282,6 +261,7 @@ def train(config, workdir: str, *, devices=None) -> dict:
     mngr.wait_until_finished()
     mngr.close()
     log.close()
+    train_it.close()
   result["state"] = state
   return result
 
