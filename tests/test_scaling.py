@@ -120,3 +120,53 @@ def test_t5_train_flops_by_hand():
   assert scaling.train_flops_per_sequence(m, L, target_len=T) == 3 * want
   with pytest.raises(ValueError, match="target_len"):
     scaling.train_flops_per_sequence(m, L)
+
+
+def _matmul_flops(jaxpr):
+  """2 * MACs of every dot_general in a jaxpr, recursing into sub-jaxprs (scan bodies times their length)."""
+  from jax.extend import core
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[i] for i in contract])
+    times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else [value]:
+        if isinstance(sub, (core.ClosedJaxpr, core.Jaxpr)):
+          total += times * _matmul_flops(getattr(sub, "jaxpr", sub))
+  return total
+
+
+@pytest.mark.parametrize("name,overrides,length,target_len,preds", [
+    ("gpt1", {}, 128, 0, 0),
+    ("bert", {}, 128, 0, 20),
+    ("t5", dict(gated_ffn=True, tie_embeddings=False, num_decoder_layers=3), 64, 29, 0),
+])
+def test_train_flops_match_the_real_models(name, overrides, length, target_len, preds):
+  """Our count = every matmul in the real forward pass (jaxpr), ~ XLA's cost analysis (which also counts
+  elementwise ops), and the gradient adds exactly 2x (BERT: less the unused pooler/NSP backward)."""
+  import importlib
+
+  import jax
+  import jax.numpy as jnp
+  from lm_jax import models
+  m = importlib.import_module(f"configs.{name}").get_config("tiny").model
+  m.update(overrides)
+  ids = jax.ShapeDtypeStruct((2, length), jnp.int32)
+  batch = dict(input_ids=ids, attention_mask=ids)
+  if name == "bert":
+    batch.update(token_type_ids=ids, mlm_positions=jax.ShapeDtypeStruct((2, preds), jnp.int32))
+  if name == "t5":
+    tgt = jax.ShapeDtypeStruct((2, target_len), jnp.int32)
+    batch.update(decoder_input_ids=tgt, decoder_attention_mask=tgt)
+  params = models.abstract_params(m)
+  forward = lambda p, b: models.apply(m, p, b)["logits"]
+  ours = 2 * scaling.forward_flops_per_sequence(m, length, target_len, preds)
+  assert _matmul_flops(jax.make_jaxpr(forward)(params, batch).jaxpr) == ours
+  xla = jax.jit(forward).lower(params, batch).compile().cost_analysis()["flops"]
+  assert ours <= xla <= 1.04 * ours
+  loss = lambda p, b: jnp.sum(jax.nn.log_softmax(forward(p, b))[..., 0])
+  grad = _matmul_flops(jax.make_jaxpr(jax.grad(loss))(params, batch).jaxpr)
+  assert grad == pytest.approx(2 * scaling.train_flops_per_sequence(m, length, target_len, preds), rel=1e-3)
