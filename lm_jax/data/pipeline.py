@@ -259,7 +259,7 @@ class TrainIterator:
     self._shuffle, self._window_rows, self._prefetch = shuffle, window_rows, prefetch
     self._state = dict(epoch=0, window=0, cursor=[0, 0], row=0, batch_index=0)
     self._consumed = dict(self._state)
-    self._win = None
+    self._win = self._logged = None
     self._thread = self._queue = None
     self._stop = threading.Event()
 
@@ -349,8 +349,9 @@ class TrainIterator:
   def _next_epoch(self):
     s = self._state
     stats = self.stats
-    if any(v for k, v in stats.items() if k not in ("documents", "dropped_tokens")):
+    if stats != self._logged and any(v for k, v in stats.items() if k not in ("documents", "dropped_tokens")):
       logging.warning("data: epoch %d of %s done; skipped %s", s["epoch"], self._rows.corpus.path, stats)
+      self._logged = stats
     s["epoch"], s["window"], s["cursor"], s["row"] = s["epoch"] + 1, 0, [0, 0], 0
 
   def _start(self):
@@ -402,6 +403,16 @@ def _check_batch(config, process_count) -> int:
   return config.batch_size // process_count
 
 
+def shard_order(n_docs: int, *, seed: int, shuffle: bool, process_index: int, process_count: int):
+  """This host's documents (every process_count-th): order[e * len(order) + i] is epoch e's i-th one.
+
+  grain's shuffle draws a new permutation for every epoch (seed + e); without shuffle every epoch is the
+  same order.
+  """
+  order = grain.MapDataset.range(n_docs)[process_index::process_count]
+  return order.shuffle(seed=seed) if shuffle else order
+
+
 def make_train_iterator(config, tokenizer, *, process_index: int = 0, process_count: int = 1,
                         window_rows: int = WINDOW_ROWS, prefetch: int = 2) -> TrainIterator:
   """Endless batches of this host's shard of config.data.train_split, reshuffled every epoch."""
@@ -409,9 +420,8 @@ def make_train_iterator(config, tokenizer, *, process_index: int = 0, process_co
   docs = sources.documents(config, config.data.train_split)
   if len(docs) < process_count:
     raise ValueError(f"{docs.path}: {len(docs)} documents cannot be shared by {process_count} processes")
-  order = grain.MapDataset.range(len(docs))[process_index::process_count]
-  if config.data.shuffle:
-    order = order.shuffle(seed=config.seed)      # index e * len + i is epoch e's i-th document
+  order = shard_order(len(docs), seed=config.seed, shuffle=config.data.shuffle, process_index=process_index,
+                      process_count=process_count)
   corpus = Corpus(docs, tokenizer, as_sentences=config.objective == "mlm" and config.data.nsp)
   rows = Rows(config, tokenizer, corpus, order, seed=config.seed, process_index=process_index)
   return TrainIterator(rows, make_transform(config, tokenizer), batch_size=local, seed=config.seed,

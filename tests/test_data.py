@@ -1,0 +1,293 @@
+"""Input pipeline: sources (files, TFDS offline), bad records, packing, NSP pairs, determinism, resumption,
+host sharding, eval batches."""
+import json
+import types
+
+import numpy as np
+import pytest
+
+from configs import bert, gpt1, t5
+from lm_jax import objectives
+from lm_jax.data import nsp, packing, pipeline, sources, tokenizer
+
+MODULES = {"clm": gpt1, "mlm": bert, "span_corruption": t5}
+
+
+@pytest.fixture(scope="module")
+def text(shared_data):
+  return (shared_data / "tiny_shakespeare" / "input.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def files(text, tmp_path_factory):
+  """Small .txt corpora cut from Tiny Shakespeare: 'big' (~60 KB), 'small' and 'tiny' (a few batches)."""
+  d = tmp_path_factory.mktemp("corpus")
+  (d / "big.txt").write_text(text[:60_000])
+  (d / "small.txt").write_text(text[:8_000])
+  (d / "tiny.txt").write_text(text[:3_000])
+  return d
+
+
+def _config(objective, path, *, nsp_=False, vocab=320, seq_len=64, batch=8, **data):
+  c = MODULES[objective].get_config("tiny")
+  c.model.vocab_size = vocab + (100 if objective == "span_corruption" else 0)
+  c.data.files = str(path)
+  c.data.tokenizer_type = "bpe"
+  c.data.seq_len = seq_len
+  c.data.max_predictions_per_seq = 10
+  c.data.nsp = nsp_
+  c.batch_size = batch
+  for k, v in data.items():
+    setattr(c.data, k, v)
+  return c
+
+
+@pytest.fixture(scope="module")
+def toks(files, tmp_path_factory):
+  """A BPE tokenizer per family, trained on the big corpus."""
+  work = tmp_path_factory.mktemp("tok")
+  return {o: tokenizer.load_or_train(_config(o, files / "big.txt"), str(work)) for o in MODULES}
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def _same(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+# ------------------------------------------------------------------------------------------------ sources
+
+def test_file_types_and_bad_records_are_counted(tmp_path, toks):
+  (tmp_path / "a.txt").write_bytes(b"First doc line one\nline two\n\n \n\nSecond doc here\n\n\xff\xfe broken\n")
+  (tmp_path / "b.jsonl").write_bytes(b'{"text": "a json document"}\nnot json\n{"other": 1}\n{"text": ""}\n'
+                                     b'{"text": "\xff bad"}\n{"text": "a"}\n')
+  (tmp_path / "c.tsv").write_text("a tab separated sentence\t1\nanother one\t0\n")
+  (tmp_path / "d.tsv").write_text("label\ttext\n1\theader names the text column\n")
+  docs = sources.documents(_config("clm", tmp_path / "*"), "train")
+  assert [d if isinstance(d, str) else d.reason for d in docs] == [
+      "First doc line one\nline two", "Second doc here", "undecodable",
+      "a json document", "malformed", "malformed", "", "undecodable", "a",
+      "a tab separated sentence", "another one", "header names the text column"]
+  it = pipeline.make_train_iterator(_config("clm", tmp_path / "*", shuffle=False), toks["clm"], prefetch=0)
+  next(it)   # one epoch is smaller than a batch: the iterator wraps around, never crashes
+  assert it.stats == dict(documents=12, empty=1, undecodable=2, malformed=2, too_short=1, dropped_tokens=0)
+
+
+def test_missing_empty_and_unsupported_sources_are_named(tmp_path, toks):
+  with pytest.raises(FileNotFoundError, match="no files match .*nothing-here"):
+    sources.documents(_config("clm", tmp_path / "nothing-here*.txt"), "train")
+  (tmp_path / "bad.jsonl").write_text("oops\n{}\n")
+  it = pipeline.make_train_iterator(_config("clm", tmp_path / "bad.jsonl"), toks["clm"], prefetch=0)
+  with pytest.raises(ValueError, match="no usable documents in .*bad.jsonl.*'malformed': 2"):
+    next(it)
+  (tmp_path / "x.csv").write_text("a,b\n")
+  with pytest.raises(ValueError, match="x.csv: unsupported type"):
+    sources.documents(_config("clm", tmp_path / "x.csv"), "train")
+  with pytest.raises(ValueError, match="bad split"):
+    sources.split_spec("train[:5%")
+
+
+def test_split_placeholder_and_slices(tmp_path):
+  for split, n in (("train", 10), ("valid", 3)):
+    (tmp_path / f"part.{split}.txt").write_text("\n\n".join(f"{split} doc {i}" for i in range(n)))
+  c = _config("clm", tmp_path / "part.{split}.txt")
+  assert len(sources.documents(c, "train")) == 10 and sources.documents(c, "valid")[2] == "valid doc 2"
+  head, tail = sources.documents(c, "train[:30%]"), sources.documents(c, "train[30%:]")
+  assert [head[i] for i in range(len(head))] + [tail[i] for i in range(len(tail))] == \
+      [f"train doc {i}" for i in range(10)]
+  assert len(head) == 3 and sources.documents(c, "train[-2:]")[0] == "train doc 8"
+
+
+def test_tfds_tiny_shakespeare_offline_through_the_trainer_path(shared_data, tmp_path, text, toks):
+  """Build the catalog tiny_shakespeare (array_record, no TensorFlow) from the local input.txt, then read it
+  with the same calls the trainer makes."""
+  sources.prepare_tfds("tiny_shakespeare", str(tmp_path), manual_dir=str(shared_data / "tiny_shakespeare"))
+  c = gpt1.get_config("tiny")
+  c.data.tfds_data_dir = str(tmp_path)
+  c.data.seq_len, c.batch_size, c.model.vocab_size = 64, 8, 320
+  splits = {s: sources.documents(c, s) for s in ("train", "validation", "test")}
+  assert splits["train"][0] == "First Citizen:\nBefore we proceed any further, hear me speak."
+  assert len(splits["train"]) > 5000                           # one record per split, cut at blank lines
+  joined = "".join("".join(d[i].split()) for d in splits.values() for i in range(len(d)))
+  assert joined == "".join(text.split())                       # nothing lost or duplicated
+  batch = next(pipeline.make_train_iterator(c, toks["clm"], prefetch=0))
+  assert batch["input_ids"].shape == (8, 64) and batch["weights"].sum() > 0
+  evals = pipeline.make_eval_iterator(c, toks["clm"])
+  assert len(evals) == c.data.eval_batches and 1.5 < evals.bytes_per_token < 4
+
+
+@pytest.mark.skipif(sources._have_tensorflow(), reason="TensorFlow is installed")
+def test_tfrecord_without_tensorflow_says_so():
+  with pytest.raises(ImportError, match="prepared as tfrecord, which needs TensorFlow"):
+    sources._tfdata_records(types.SimpleNamespace(data_dir="/data/x"), "train", "x")
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+CASES = [("clm", False), ("mlm", False), ("mlm", True), ("span_corruption", False)]
+
+
+@pytest.mark.parametrize("objective,with_nsp", CASES)
+def test_batches_have_exactly_the_objective_features(files, toks, objective, with_nsp):
+  c = _config(objective, files / "big.txt", nsp_=with_nsp, whole_word_mask=objective == "mlm")
+  batch = next(pipeline.make_train_iterator(c, toks[objective], prefetch=0))
+  want = objectives.get(objective).features(c)
+  assert {k: (v.shape[1:], v.dtype) for k, v in batch.items()} == {k: (s, np.dtype(t)) for k, (s, t) in want.items()}
+  assert all(v.shape[0] == 8 for v in batch.values())
+  if objective == "mlm":   # whole words: a selected continuation piece follows a selected piece
+    sel = np.zeros(batch["input_ids"].shape, bool)
+    np.put_along_axis(sel, batch["mlm_positions"], batch["mlm_weights"] > 0, 1)
+    orig = batch["input_ids"].copy()
+    np.put_along_axis(orig, batch["mlm_positions"], np.where(batch["mlm_weights"] > 0, batch["mlm_ids"],
+                                                             np.take_along_axis(orig, batch["mlm_positions"], 1)), 1)
+    special = np.isin(orig, toks["mlm"].special_ids)
+    cont = sel & ~toks["mlm"].word_starts(orig) & ~np.roll(special, 1, 1)
+    assert cont.any() and (np.roll(sel, 1, 1) | ~cont).all()
+  if objective == "span_corruption":
+    assert (batch["input_ids"][:, -1] == toks[objective].eos_id).all()
+    assert (batch["decoder_input_ids"][:, 1:] == batch["decoder_target_ids"][:, :-1]).all()
+
+
+@pytest.mark.parametrize("objective,with_nsp", CASES)
+def test_same_seed_same_batches_and_resume_mid_epoch(files, toks, objective, with_nsp):
+  c = _config(objective, files / ("tiny.txt" if with_nsp else "small.txt"), nsp_=with_nsp)
+  make = lambda **kw: pipeline.make_train_iterator(c, toks[objective], window_rows=18, **kw)
+  reference = _take(make(prefetch=0), 12)
+  _same(_take(make(prefetch=3), 12), reference)           # prefetch thread changes nothing
+  first = make(prefetch=2)
+  _take(first, 5)
+  state = json.loads(json.dumps(first.get_state()))
+  assert state["window"] > 0 and state["row"] > 0             # mid-window (18 rows, batches of 8)
+  resumed = make(prefetch=2)
+  resumed.set_state(state)
+  after = _take(resumed, 7)
+  _same(after, reference[5:])
+  assert resumed.get_state()["epoch"] >= 1                    # the check crossed an epoch boundary
+  c.seed = 1
+  assert not np.array_equal(next(make(prefetch=0))["input_ids"], reference[0]["input_ids"])
+
+
+def test_state_from_another_host_layout_is_refused(files, toks):
+  it = pipeline.make_train_iterator(_config("clm", files / "small.txt"), toks["clm"], prefetch=0)
+  state = dict(it.get_state(), process_count=2)
+  with pytest.raises(ValueError, match="process_count=2, this run has 1"):
+    it.set_state(state)
+
+
+def test_two_hosts_read_disjoint_shards_that_cover_the_data(files, toks):
+  n = len(sources.documents(_config("clm", files / "small.txt"), "train"))
+  for shuffle in (False, True):
+    orders = [pipeline.shard_order(n, seed=0, shuffle=shuffle, process_index=h, process_count=2) for h in (0, 1)]
+    for epoch in (0, 1):
+      shards = [{o[epoch * len(o) + i] for i in range(len(o))} for o in orders]
+      assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(n))
+  # What each host emits in its first epoch: exactly its documents, each followed by eos, in shard order.
+  c = _config("clm", files / "small.txt", shuffle=False, batch=2)
+  tok, docs = toks["clm"], sources.documents(c, "train")
+  for host in (0, 1):
+    it = pipeline.make_train_iterator(c, tok, process_index=host, process_count=2, prefetch=0)
+    stream = []
+    while it.get_state()["epoch"] == 0:
+      b = next(it)
+      stream += b["input_ids"][b["segment_ids"] > 0].tolist()
+    expected = [t for i in range(host, n, 2) for t in tok.encode(docs[i]) + [tok.eos_id]][:-1]
+    assert stream[:len(expected)] == expected
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+def test_causal_rows_segments_positions_and_padding():
+  # Documents 0 (5 tokens + eos), 1 (2 + eos), 2 (6 + eos) as one stream, rows of 6.
+  docs = [np.array([11, 12, 13, 14, 15, 1]), np.array([21, 22, 1]), np.array([31, 32, 33, 34, 35, 36, 1])]
+  tokens = np.concatenate(docs)
+  doc = np.concatenate([np.full(len(d), i) for i, d in enumerate(docs)])
+  r = packing.causal_rows(tokens, doc, 6, pad_id=0)
+  np.testing.assert_array_equal(r["input_ids"], [[11, 12, 13, 14, 15, 1], [21, 22, 1, 31, 32, 33],
+                                                 [34, 35, 36, 0, 0, 0]])
+  np.testing.assert_array_equal(r["targets"], [[12, 13, 14, 15, 1, 21], [22, 1, 31, 32, 33, 34],
+                                               [35, 36, 1, 0, 0, 0]])
+  np.testing.assert_array_equal(r["weights"], [[1, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+  np.testing.assert_array_equal(r["segment_ids"], [[1, 1, 1, 1, 1, 1], [1, 1, 1, 2, 2, 2], [1, 1, 1, 0, 0, 0]])
+  np.testing.assert_array_equal(r["positions"], [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 0, 0]])
+
+
+def test_packed_pipeline_rows_score_no_padding(files, toks):
+  c = _config("clm", files / "small.txt", shuffle=False)
+  batches = _take(pipeline.make_train_iterator(c, toks["clm"], prefetch=0), 8)
+  for b in batches:
+    pad = b["segment_ids"] == 0
+    assert not b["weights"][pad].any() and (b["input_ids"][pad] == 0).all()
+    same = (b["segment_ids"][:, 1:] == b["segment_ids"][:, :-1]) & ~pad[:, 1:]
+    # inside a segment, the target is the next input and positions count up by one
+    assert (b["targets"][:, :-1][same] == b["input_ids"][:, 1:][same]).all()
+    assert (b["positions"][:, 1:][same] == b["positions"][:, :-1][same] + 1).all()
+    assert (b["positions"][:, 1:][~same & ~pad[:, 1:]] == 0).all()
+  # the epoch's last row is the only padded one (the model side, packed row == documents alone, is
+  # tests/test_objectives.py::test_packed_gpt_row_equals_documents_alone with the same conventions)
+  assert sum(int((b["segment_ids"] == 0).any()) for b in batches) == 1
+
+
+# -------------------------------------------------------------------------------------------------- NSP
+
+def test_nsp_instances_follow_document_structure():
+  # Document d's sentence s holds tokens 1000 d + 100 s + (0..len-1): adjacency is visible in the ids.
+  rng = np.random.default_rng(0)
+  corpus = [[np.arange(n) + 1000 * d + 100 * s for s, n in enumerate(rng.integers(3, 15, 8))] for d in range(1, 30)]
+  flat = [np.concatenate(doc) for doc in corpus]
+  n_pairs = 0
+  for d, doc in enumerate(corpus):
+    other = lambda r: corpus[(d + 1 + int(r.integers(0, len(corpus) - 1))) % len(corpus)]
+    for a, b, is_random in nsp.instances(doc, rng=np.random.default_rng(d), seq_len=32, other_doc=other):
+      n_pairs += 1
+      assert 1 <= len(a) and 1 <= len(b) and len(a) + len(b) <= 29
+      assert a[0] // 1000 == d + 1
+      start = np.flatnonzero(flat[d] == a[0])[0]
+      np.testing.assert_array_equal(flat[d][start:start + len(a)], a)   # A: a contiguous run of the document
+      if is_random:
+        assert b[0] // 1000 != d + 1
+      else:                                  # B: the text after A in the same document (ends may be trimmed)
+        after = np.flatnonzero(flat[d] == b[0])[0]
+        assert after >= start + len(a)
+        np.testing.assert_array_equal(flat[d][after:after + len(b)], b)
+  assert n_pairs > 50
+
+
+def test_nsp_pairs_half_random_and_within_length(files, toks):
+  c = _config("mlm", files / "big.txt", nsp_=True, seq_len=64, batch=500)
+  tok = toks["mlm"]
+  batches = _take(pipeline.make_train_iterator(c, tok, prefetch=0), 12)
+  labels = np.concatenate([b["nsp_labels"] for b in batches])
+  assert len(labels) == 6000 and abs(labels.mean() - 0.5) < 0.02
+  for b in batches:
+    ids, types_, mask = b["input_ids"], b["token_type_ids"], b["attention_mask"]
+    assert (ids[:, 0] == tok.cls_id).all() and ((ids == tok.sep_id).sum(1) == 2).all()
+    n = mask.sum(1)
+    last_sep = ids.shape[1] - 1 - np.argmax((ids == tok.sep_id)[:, ::-1], 1)
+    assert (last_sep == n - 1).all() and (n <= 64).all()
+    first_sep = np.argmax(ids == tok.sep_id, 1)
+    idx = np.arange(64)
+    assert (types_ == ((idx > first_sep[:, None]) & (idx < n[:, None]))).all()
+    assert (ids[mask == 0] == tok.pad_id).all()
+
+
+# ------------------------------------------------------------------------------------------------- eval
+
+def test_eval_batches_are_finite_repeatable_and_split_across_hosts(files, toks):
+  c = _config("clm", files / "big.txt", eval_batches=3)
+  c.data.eval_split = "train[80%:]"
+  one = pipeline.make_eval_iterator(c, toks["clm"])
+  assert len(list(one)) == 3 and 1.5 < one.bytes_per_token < 4
+  _same(list(one), list(one))
+  hosts = [list(pipeline.make_eval_iterator(c, toks["clm"], process_index=h, process_count=2)) for h in (0, 1)]
+  for b, (h0, h1) in enumerate(zip(*hosts)):
+    for k in h0:
+      np.testing.assert_array_equal(np.concatenate([h0[k], h1[k]]), list(one)[b][k])
+  c.data.eval_split = "train[:2]"
+  with pytest.raises(ValueError, match="too small for one eval batch"):
+    pipeline.make_eval_iterator(c, toks["clm"])
