@@ -1,0 +1,179 @@
+"""Per-device training memory for a config on a mesh, without the devices: pick a mesh before paying.
+
+  python -m lm_jax.memory --config=configs/bert.py:large --devices=16 --config.mesh.fsdp=16
+
+params, optimizer state: exact. The real abstract params (models.abstract_params) and optimizer state
+  (jax.eval_shape of optim.make's init) are placed by the trainer's own rules (sharding.logical_to_sharding,
+  opt_state_sharding) on an AbstractMesh of the requested sizes; bytes = sum of shard sizes.
+gradients: float32 copy of the params' shards (step.py casts them), twice with microbatches (accumulator
+  plus the current microbatch's gradient).
+activations: analytic, what the backward pass keeps per layer (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", §4 without sequence parallelism), per token, with
+  D = d_model, A = heads*head_dim / t, F = d_ff / t, H = heads / t, t = the mesh size `heads`/`mlp` map to:
+    self-attention layer   (4D + 4A + kF) * c  +  4 H S_kv        k = 2 (4 for a gated FFN), c = bytes of
+                           [LN/residual inputs 4D, q k v and the out-projection input 4A, FFN pre- and
+                           post-activation kF, float32 softmax probabilities H S_kv]
+    + cross-attention      (2D + 2A) * c + 4 H S_enc per decoder token, + 2A * c per encoder token (k, v)
+    + dropout              1-byte masks (2D + F, + H S_kv with attention dropout, which also keeps the
+                           dropped probabilities: + 4 H S_kv)
+  remat 'minimal' keeps only the weight matmuls' outputs (3A + 2D + F or 2F for gated, + cross A + D, +
+  2A per encoder token) plus the layer input D; 'full' keeps the layer input D; both add one layer's
+  full set, recomputed during its backward. Outside the layers: embeddings and final norm (3D per
+  token), the loss head (float32 logits + log-probabilities, 8 V/t bytes per scored token;
+  BERT's transform 4D per prediction). Rows per device = batch_size / microbatches / (mesh size of
+  'batch'). Not counted: XLA temporaries (gradients of the logits, fusion buffers), all-gathered FSDP
+  weights in flight, the optimizer update's temporaries: measured peaks run higher (see README).
+"""
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import AbstractMesh
+
+from lm_jax import models, optim, sharding, step
+from lm_jax.models import layers
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Bytes per device. `mesh` is (data, fsdp, tensor); `rows` = examples per device per microbatch."""
+  mesh: tuple
+  rows: int
+  remat: str
+  params: int
+  opt_state: int
+  grads: int
+  activations: int
+
+  @property
+  def total(self) -> int:
+    return self.params + self.opt_state + self.grads + self.activations
+
+  def __str__(self) -> str:
+    return format_table(self)
+
+
+def format_table(est: Estimate) -> str:
+  data, fsdp, tensor = est.mesh
+  head = (f"per-device memory: mesh data={data} fsdp={fsdp} tensor={tensor} ({data * fsdp * tensor} devices), "
+          f"{est.rows} rows/device, remat={est.remat}")
+  rows = [("params", est.params), ("optimizer state", est.opt_state), ("gradients", est.grads),
+          ("activations (approx.)", est.activations), ("total", est.total)]
+  return "\n".join([head] + [f"  {name:<22} {b / GiB:9.3f} GiB" for name, b in rows])
+
+
+def _sharded_bytes(abstract, shardings) -> int:
+  return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+             for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+
+
+def _mesh_size(rules, sizes: dict, logical: str) -> int:
+  """Number of devices the logical axis `logical` is split over."""
+  axes = nn.logical_to_mesh_axes((logical,), rules)[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  return math.prod(sizes[a] for a in axes)
+
+
+def activation_bytes(config, rows: int, div: dict) -> int:
+  """Analytic bytes kept for the backward pass per device (module docstring); div = devices that split
+  'heads', 'mlp', 'vocab'."""
+  m, d = config.model, config.data
+  c = np.dtype(layers.dtype(m.dtype)).itemsize
+  D, hd = m.d_model, layers.head_dim(m)
+  H = -(-m.num_heads // div["heads"])
+  A, F, V = H * hd, -(-m.d_ff // div["mlp"]), -(-m.vocab_size // div["vocab"])
+  k = 4 if m.gated_ffn else 2
+  p, pa = m.dropout_rate > 0, m.attention_dropout_rate > 0
+
+  def layer(s_kv, s_enc=0):
+    """(bytes per query token, bytes per encoder token) of one layer without remat."""
+    tok = (4 * D + 4 * A + k * F) * c + 4 * H * s_kv + p * (2 * D + F) + pa * 5 * H * s_kv
+    enc = 0
+    if s_enc:
+      tok += (2 * D + 2 * A) * c + 4 * H * s_enc + p * D + pa * 5 * H * s_enc
+      enc = 2 * A * c
+    return tok, enc
+
+  def saved(s_kv, s_enc=0):
+    """Bytes per token (and per encoder token) the remat policy keeps for one layer."""
+    if m.remat_policy == "full":
+      return D * c, 0
+    if m.remat_policy == "minimal":
+      cross = (A + D) * c if s_enc else 0
+      return (3 * A + 3 * D + (k // 2) * F) * c + cross, (2 * A * c if s_enc else 0)
+    return layer(s_kv, s_enc)
+
+  def stack(n, tokens, s_kv, enc_tokens=0, s_enc=0):
+    tok, enc = saved(s_kv, s_enc)
+    total = n * (tok * tokens + enc * enc_tokens)
+    if m.remat_policy != "none":  # one layer recomputed in full during its backward
+      full_tok, full_enc = layer(s_kv, s_enc)
+      total += full_tok * tokens + full_enc * enc_tokens
+    return total
+
+  L = d.seq_len
+  if m.family == "t5":
+    from lm_jax.objectives import span_corruption
+    T = span_corruption.target_len(config)
+    n_dec = m.num_decoder_layers or m.num_layers
+    per_row = (stack(m.num_layers, L, L) + stack(n_dec, T, T, L, L)
+               + (3 * D * c + p * D) * (L + T) + 8 * V * T)
+  elif m.family == "bert":
+    P = d.max_predictions_per_seq if config.objective == "mlm" else L
+    per_row = stack(m.num_layers, L, L) + (3 * D * c + p * D) * L + (4 * D * c + 8 * V) * P
+  else:
+    per_row = stack(m.num_layers, L, L) + (3 * D * c + p * D) * L + 8 * V * L
+  return int(rows * per_row)
+
+
+def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
+  """Per-device memory of training `config`.
+
+  mesh: (data, fsdp, tensor) sizes for a 'what if' mesh; default config.mesh with its -1 filled from
+  num_devices (default jax.device_count()).
+  """
+  if mesh is None:
+    mesh = sharding.mesh_shape(config, num_devices or jax.device_count())
+  mesh = tuple(int(n) for n in mesh)
+  if len(mesh) != 3 or min(mesh) < 1:
+    raise ValueError(f"mesh must be 3 positive sizes (data, fsdp, tensor), got {mesh}")
+  abstract_mesh = AbstractMesh(mesh, sharding.AXES)
+  sizes = dict(zip(sharding.AXES, mesh))
+  rules = sharding.rules(config)
+
+  abstract_params = models.abstract_params(config.model)
+  logical = models.logical_axes(config.model)
+  params_sh = sharding.logical_to_sharding(logical, abstract_mesh, rules)
+  sharding.check_divisible(abstract_params, params_sh)
+  tx, _ = optim.make(config, logical)
+  abstract_opt = jax.eval_shape(lambda p: step.init_state(p, tx), abstract_params)["opt_state"]
+  opt_sh = sharding.opt_state_sharding(abstract_opt, abstract_params, params_sh, abstract_mesh)
+
+  param_elems = sum(math.prod(s.shard_shape(a.shape))
+                    for a, s in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(params_sh)))
+  grads = 4 * param_elems * (2 if config.microbatches > 1 else 1)
+  rows = -(-config.batch_size // (config.microbatches * _mesh_size(rules, sizes, "batch")))
+  div = {name: _mesh_size(rules, sizes, name) for name in ("heads", "mlp", "vocab")}
+  return Estimate(mesh=mesh, rows=rows, remat=config.model.remat_policy,
+                  params=_sharded_bytes(abstract_params, params_sh),
+                  opt_state=_sharded_bytes(abstract_opt, opt_sh), grads=grads,
+                  activations=activation_bytes(config, rows, div))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<variant>", lock_config=True)
+  _DEVICES = flags.DEFINE_integer("devices", None, "number of devices (default: this host's jax.device_count())")
+
+  def _main(argv):
+    del argv
+    print(estimate(_CONFIG.value, num_devices=_DEVICES.value))
+
+  flags.mark_flags_as_required(["config"])
+  app.run(_main)
