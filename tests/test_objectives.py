@@ -280,26 +280,30 @@ def test_end_to_end_on_tiny_real_models(name):
 
 
 def test_packed_gpt_row_equals_documents_alone():
+  """Row 0 packs three documents; rows 1-3 hold each document alone (all in one batch: one compile)."""
   config = _config("clm", "gpt")
+  length = config.data.seq_len
   params = models.init(config.model, jax.random.key(0))
   rng = np.random.default_rng(7)
   docs = [rng.integers(1, V, n) for n in (9, 5, 11)]
-  row = {k: jnp.asarray(v[None]) for k, v in _pack(docs, config.data.seq_len).items()}
-  objective = objectives.get("clm")
-  packed = models.apply(config.model, params, dict(input_ids=row["input_ids"], segment_ids=row["segment_ids"],
-                                                   positions=row["positions"],
-                                                   attention_mask=(row["segment_ids"] > 0).astype(jnp.int32)))
-  nll = lambda b: objective.loss(config.model, params, b, objective.denominators(b), rng=None, train=False)[1]
-  start, alone_sum = 0, 0.0
-  for doc in docs:
-    alone = {k: jnp.asarray(v[None]) for k, v in _pack([doc], len(doc)).items()}
-    logits = models.apply(config.model, params, dict(input_ids=alone["input_ids"], segment_ids=alone["segment_ids"],
-                                                     positions=alone["positions"],
-                                                     attention_mask=jnp.ones_like(alone["input_ids"])))["logits"]
-    np.testing.assert_allclose(packed["logits"][0, start:start + len(doc)], logits[0], atol=1e-5, rtol=1e-5)
-    alone_sum += nll(alone)["token_loss"] * (len(doc) - 1)
+  rows = [_pack(docs, length)] + [_pack([doc], length) for doc in docs]
+  batch = {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+  logits = models.apply(config.model, params, dict(
+      input_ids=batch["input_ids"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+      attention_mask=(batch["segment_ids"] > 0).astype(jnp.int32)))["logits"]
+  start = 0
+  for i, doc in enumerate(docs, 1):
+    np.testing.assert_allclose(logits[0, start:start + len(doc)], logits[i, :len(doc)], atol=1e-5, rtol=1e-5)
     start += len(doc)
-  # Through the objective: the packed row's loss is exactly the documents' losses, padding never counted.
-  np.testing.assert_allclose(nll(row)["token_loss"] * float(row["weights"].sum()), alone_sum, rtol=1e-5)
-  padded = dict(row, input_ids=row["input_ids"].at[0, start:].set(3), targets=row["targets"].at[0, start:].set(4))
-  np.testing.assert_allclose(nll(padded)["token_loss"], nll(row)["token_loss"], rtol=1e-6)
+
+  # Through the objective: the packed row's loss is exactly its documents' losses; padding is never counted.
+  objective = objectives.get("clm")
+  nll = jax.jit(lambda b: objective.loss(config.model, params, b, {"tokens": 1.0}, rng=None, train=False)[1][
+      "token_loss"])
+  only = lambda b, keep: dict(b, weights=b["weights"] * jnp.asarray(keep, jnp.float32)[:, None])
+  packed_nll = nll(only(batch, [1, 0, 0, 0]))
+  np.testing.assert_allclose(packed_nll, nll(only(batch, [0, 1, 1, 1])), rtol=1e-5)
+  pad = np.arange(length) >= start
+  junk = dict(batch, input_ids=batch["input_ids"].at[0, pad].set(3), targets=batch["targets"].at[0, pad].set(4),
+              weights=batch["weights"].at[0, pad].set(1.0))
+  np.testing.assert_allclose(nll(only(junk, [1, 0, 0, 0])), packed_nll, rtol=1e-6)
