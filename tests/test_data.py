@@ -5,6 +5,7 @@ import types
 
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
 
 from configs import bert, gpt1, t5
 from lm_jax import objectives
@@ -120,6 +121,39 @@ def test_tfds_tiny_shakespeare_offline_through_the_trainer_path(shared_data, tmp
   assert batch["input_ids"].shape == (8, 64) and batch["weights"].sum() > 0
   evals = pipeline.make_eval_iterator(c, toks["clm"])
   assert len(evals) == c.data.eval_batches and 1.5 < evals.bytes_per_token < 4
+
+
+class ToyDocs(tfds.core.GeneratorBasedBuilder):
+  """40 one-line documents, record 7 not UTF-8: the random-access (many records) TFDS path."""
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    return {"train": self._generate_examples()}
+
+  def _generate_examples(self):
+    for i in range(40):
+      yield i, {"text": b"\xff\xfe" if i == 7 else f"Document number {i}. It has a second sentence."}
+
+
+def test_tfds_random_access_records_built_on_first_use(tmp_path, toks, monkeypatch):
+  monkeypatch.setattr(sources, "_FEW_RECORDS", 10)       # 40 records count as many: read one by one
+  c = _config("clm", "", tfds_name="toy_docs", tfds_data_dir=str(tmp_path), shuffle=False)
+  docs = sources.documents(c, "train")                     # not prepared yet: built as array_record now
+  assert isinstance(docs, sources.TfdsRecords) and len(docs) == 40
+  assert len(sources.documents(c, "train[:25%]")) == 10
+  texts = [docs[i] for i in range(40)]
+  assert texts.count(sources.Bad("undecodable")) == 1 and "Document number 3. It has a second sentence." in texts
+  it = pipeline.make_train_iterator(c, toks["clm"], prefetch=0)
+  next(it)
+  assert it.stats["undecodable"] == 1 and it.stats["documents"] == 40
+  with pytest.raises(ValueError, match="config.data.text_field='body' is not a feature of TFDS toy_docs"):
+    sources.documents(_config("clm", "", tfds_name="toy_docs", tfds_data_dir=str(tmp_path), text_field="body"),
+                      "train")
+  with pytest.raises(ValueError, match="has no split 'validation'; it has train"):
+    sources.documents(c, "validation")
 
 
 @pytest.mark.skipif(sources._have_tensorflow(), reason="TensorFlow is installed")
