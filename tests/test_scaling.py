@@ -170,3 +170,143 @@ def test_train_flops_match_the_real_models(name, overrides, length, target_len, 
   loss = lambda p, b: jnp.sum(jax.nn.log_softmax(forward(p, b))[..., 0])
   grad = _matmul_flops(jax.make_jaxpr(jax.grad(loss))(params, batch).jaxpr)
   assert grad == pytest.approx(2 * scaling.train_flops_per_sequence(m, length, target_len, preds), rel=1e-3)
+
+
+# ---------------------------------------------------------------- fitting
+
+def _synthetic(seed=1, noise=0.005):
+  """IsoFLOP-style grid of 48 runs drawn from the Chinchilla law with 0.5% multiplicative noise."""
+  rng = np.random.default_rng(seed)
+  n = np.repeat(np.geomspace(1e7, 1e10, 8), 6)
+  c = np.tile(np.geomspace(1e17, 1e21, 6), 8)
+  d = c / (6 * n)
+  return n, d, scaling.CHINCHILLA.loss(n, d) * np.exp(rng.normal(0, noise, n.size))
+
+
+@pytest.fixture(scope="module")
+def synthetic_fit():
+  from lm_jax.scaling import fit
+  n, d, loss = _synthetic()
+  law, huber = fit.fit_approach3(n, d, loss)
+  return (n, d, loss), law, huber
+
+
+def test_fit_recovers_the_law_and_cis_cover_it(synthetic_fit):
+  from lm_jax.scaling import fit
+  (n, d, loss), law, _ = synthetic_fit
+  truth = scaling.CHINCHILLA
+  assert law.E == pytest.approx(truth.E, abs=0.05)
+  assert law.alpha == pytest.approx(truth.alpha, abs=0.02) and law.beta == pytest.approx(truth.beta, abs=0.01)
+  assert law.a == pytest.approx(truth.a, abs=0.01)
+  assert law.A == pytest.approx(truth.A, rel=0.25) and law.B == pytest.approx(truth.B, rel=0.1)
+  ci, fits = fit.bootstrap(n, d, loss, num=64, law=law)
+  assert fits.shape == (64, 7)
+  for k in fit.PARAMS:
+    lo, hi = ci[k]
+    assert lo <= getattr(truth, k) <= hi, (k, ci[k])
+    assert lo <= getattr(law, k) <= hi and lo < hi
+  # Noise-free data: the fit is exact.
+  exact, huber = fit.fit_approach3(n, d, scaling.CHINCHILLA.loss(n, d))
+  assert huber < 1e-12
+  assert (exact.E, exact.alpha, exact.beta) == pytest.approx((truth.E, truth.alpha, truth.beta), rel=1e-4)
+
+
+def test_batched_lbfgs_reaches_scipys_optimum(synthetic_fit):
+  """Our optimizer against scipy's L-BFGS-B (float64, jax gradients) on the same objective."""
+  import jax
+  import jax.numpy as jnp
+  from scipy import optimize
+  from lm_jax.scaling import fit
+  (n, d, loss), law, huber = synthetic_fit
+  x = np.stack([np.log(n), np.log(d), np.log(loss)])
+  with jax.enable_x64(True):
+    f = jax.jit(jax.value_and_grad(lambda p: fit._objective(p, jnp.asarray(x), jnp.ones(n.size))))
+    res = optimize.minimize(lambda p: tuple(np.asarray(v, float) for v in f(p)), np.array([6.0, 6.0, 0.5, 0.3, 0.3]),
+                            jac=True, method="L-BFGS-B", options=dict(maxiter=1000, ftol=1e-15, gtol=1e-12))
+  assert huber <= res.fun * (1 + 1e-6)
+  assert np.array([np.log(law.A), np.log(law.B), np.log(law.E), law.alpha, law.beta]) == pytest.approx(res.x, abs=1e-3)
+
+
+def test_grid_is_hoffmanns():
+  from lm_jax.scaling import fit
+  grid = fit.init_grid()
+  assert grid.shape == (4500, 5)
+  assert sorted(set(grid[:, 0])) == [0, 5, 10, 15, 20, 25] and sorted(set(grid[:, 2])) == [-1, -0.5, 0, 0.5, 1]
+  assert sorted(set(grid[:, 3])) == [0, 0.5, 1, 1.5, 2]
+
+
+def test_approach2_isoflop_parabolas():
+  from lm_jax.scaling import fit
+  law = scaling.CHINCHILLA
+  rows = []
+  for c in np.geomspace(1e18, 1e22, 5):
+    n_opt, _ = law.allocate(c)
+    for n in n_opt * np.geomspace(0.25, 4, 9):
+      rows.append((n, c / (6 * n), law.loss(n, c / (6 * n))))
+  n, d, loss = map(np.array, zip(*rows))
+  out = fit.fit_approach2(n, d, loss)
+  assert len(out["budgets"]) == 5
+  assert out["a"] == pytest.approx(law.a, abs=0.01) and out["b"] == pytest.approx(law.b, abs=0.01)
+  for row in out["budgets"]:
+    assert row["N_opt"] == pytest.approx(law.allocate(row["C"])[0], rel=0.05)
+  assert fit.fit_approach2(n[:9], d[:9], loss[:9]) is None   # one budget: no exponent
+
+
+# ---------------------------------------------------------------- CLI
+
+def _cli(capsys, *argv):
+  import json
+  from lm_jax.scaling.__main__ import main
+  main(list(argv))
+  return json.loads(capsys.readouterr().out)
+
+
+def test_cli_allocate_and_predict(capsys):
+  out = _cli(capsys, "allocate", "--flops", "5.88e23")
+  assert out["D_opt"] / out["N_opt"] == pytest.approx(92.8, abs=0.1)
+  assert _cli(capsys, "allocate", "--flops", "5.88e23", "--law", "epoch")["tokens_per_param"] == pytest.approx(18.4, abs=0.05)
+  assert _cli(capsys, "allocate", "--flops", str(PF_DAY), "--law", "kaplan")["N_opt"] == pytest.approx(1.3e9)
+  out = _cli(capsys, "predict", "--params", "7e10", "--tokens", "1.4e12")
+  assert out["loss"] == pytest.approx(1.69 + 406.4 / 7e10**0.34 + 410.7 / 1.4e12**0.28)
+  assert _cli(capsys, "predict", "--params", "1e9", "--tokens", "1e10", "--law", "kaplan")["loss"] == pytest.approx(
+      scaling.kaplan_loss_nd(1e9, 1e10))
+
+
+def test_cli_fit_csv(tmp_path, capsys, synthetic_fit):
+  (n, d, loss), law, _ = synthetic_fit
+  path = tmp_path / "runs.csv"
+  path.write_text("N,C,loss\n" + "".join(f"{a},{6 * a * b},{c}\n" for a, b, c in zip(n, d, loss)))
+  out = _cli(capsys, "fit", "--runs", str(path), "--plot", str(tmp_path / "fit.png"), "--bootstrap", "8")
+  assert out["alpha"] == pytest.approx(law.alpha, rel=1e-4) and out["beta"] == pytest.approx(law.beta, rel=1e-4)
+  assert out["a"] == pytest.approx(out["beta"] / (out["alpha"] + out["beta"]))
+  assert set(out["ci"]) == {"E", "A", "B", "alpha", "beta", "a", "b"} and out["runs"] == 48
+  assert out["approach2"]["a"] == pytest.approx(law.a, abs=0.05)
+  assert (tmp_path / "fit.png").stat().st_size > 10_000
+  bad = tmp_path / "bad.csv"
+  bad.write_text("N,loss\n1,2\n")
+  with pytest.raises(ValueError, match="missing column.*D or C"):
+    _cli(capsys, "fit", "--runs", str(bad))
+
+
+# ---------------------------------------------------------------- sweep (the trainer end to end)
+
+def test_sweep_toy_two_budgets_two_sizes(tmp_path, capsys, shared_data):
+  """The smallest IsoFLOP sweep: 2 budgets x 2 sizes of tiny decoders trained by lm_jax.train."""
+  import csv
+  work = tmp_path / "sweep"
+  out = _cli(capsys, "sweep", "--workdir", str(work), "--budgets", "3e8,6e8", "--sizes", "1x16,1x32",
+             "--data", str(shared_data / "tiny_shakespeare" / "input.txt"), "--train_split", "train[:90%]",
+             "--eval_split", "train[90%:]", "--vocab", "256", "--seq_len", "32", "--batch", "4",
+             "--eval_batches", "2", "--min_steps", "10")
+  rows = list(csv.DictReader(open(work / "runs.csv")))
+  assert len(rows) == 4 and {r["budget"] for r in rows} == {"300000000.0", "600000000.0"}
+  for r in rows:
+    n, d, c, steps = float(r["N"]), float(r["D"]), float(r["C"]), int(r["steps"])
+    assert d == steps * 4 * 32 and c == pytest.approx(6 * n * d)
+    assert c == pytest.approx(float(r["budget"]), rel=0.05)       # D = C / 6N up to whole steps
+    assert 3.0 < float(r["loss"]) < np.log(256) + 0.5              # trained a little, from ~log V
+    assert float(r["flops"]) > c                                   # the exact count adds attention
+  small = {r["budget"]: float(r["loss"]) for r in rows if r["d_model"] == "16"}
+  assert small["600000000.0"] < small["300000000.0"]               # twice the tokens: lower loss
+  assert out["runs"] == 4 and {"E", "A", "B", "alpha", "beta", "a", "b"} <= set(out)
+  assert (work / "fit.png").exists() and (work / "fit.json").exists()

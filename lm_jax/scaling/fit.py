@@ -12,6 +12,7 @@ at once from the full fit's optimum (plus a few perturbed starts): its optimum s
 one, so the 4500-start grid is not needed there, which keeps 200 resamples to seconds.
 Approach 2 (§3.2): a parabola in log N per IsoFLOP budget gives N_opt(C); a line in log-log gives a, b.
 """
+import csv
 import functools
 import itertools
 
@@ -123,8 +124,8 @@ def _as_law(p):
 
 def _data(n, d, loss):
   n, d, loss = (np.asarray(v, float) for v in (n, d, loss))
-  if len(n) < 5:
-    raise ValueError(f"fit: need at least 5 runs for 5 parameters, got {len(n)}")
+  if len(n) < 2:
+    raise ValueError(f"fit: need at least 2 runs, got {len(n)}")
   if np.any(n <= 0) or np.any(d <= 0) or np.any(loss <= 0):
     raise ValueError("fit: N, D and loss must all be positive")
   return np.stack([np.log(n), np.log(d), np.log(loss)])
@@ -194,3 +195,25 @@ def group_budgets(c, rel_tol=0.05):
     else:
       groups.append((c[i], [i]))
   return [(float(np.mean(c[idx])), np.array(idx)) for _, idx in groups]
+
+
+def read_runs(path):
+  """CSV with columns N, loss and D (tokens) or C (= 6ND); an optional `budget` column groups IsoFLOP runs.
+  Returns dict of float arrays N, D, loss, C (the budget when given, else 6ND)."""
+  try:
+    with open(path, newline="") as f:
+      rows = list(csv.DictReader(f))
+  except FileNotFoundError:
+    raise FileNotFoundError(f"--runs: no such file {path}") from None
+  columns = set(rows[0]) if rows else set()
+  missing = [k for k in ("N", "loss") if k not in columns] + ([] if columns & {"D", "C"} else ["D or C"])
+  if missing:
+    raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; need N, D (or C = 6ND), loss")
+  try:
+    col = lambda k: np.array([float(r[k]) for r in rows])
+    n, loss = col("N"), col("loss")
+    d = col("D") if "D" in columns else col("C") / (6 * n)
+    c = col("budget") if "budget" in columns else 6 * n * d
+  except ValueError as e:
+    raise ValueError(f"{path}: {e}") from None
+  return dict(N=n, D=d, loss=loss, C=c)
