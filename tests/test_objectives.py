@@ -265,7 +265,6 @@ def test_check_names_the_field(name, change, message):
 def test_end_to_end_on_tiny_real_models(name):
   family, make = CASES[name]
   config = _config(name, family, nsp=name == "mlm")
-  config.model.dropout_rate = config.model.attention_dropout_rate = 0.1
   objectives.check(config)
   objective = objectives.get(name, config)
   params = models.init(config.model, jax.random.key(0))
