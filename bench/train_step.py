@@ -338,7 +338,7 @@ def report(results, args):
               f"  ours/eager {fmt(toks.get('eager') and toks['ours'] / toks['eager'], '.2f')}x"
               f"  ours/compiled {fmt(toks.get('compiled') and toks['ours'] / toks['compiled'], '.2f')}x"
               f"  roofline {fmt(roof and roof / 1e12, '.3f')} TFLOP/s"
-              f"  FLOPs/step trainer {flops / 1e9:.1f} G, XLA {o["xla_flops_per_step"] / 1e9:.1f} G"
+              f"  FLOPs/step trainer {flops / 1e9:.1f} G, XLA {o['xla_flops_per_step'] / 1e9:.1f} G"
               f"  params {o['params'] / 1e6:.1f}M")
       ratios.append(line)
   print("\n" + head)
