@@ -2,7 +2,8 @@
 
 Variants: base, large (phase 1: seq 128 for 90% of the 1M steps), base_512 / large_512
 (phase 2: seq 512 for the last 10%; run it in the same --workdir after phase 1 to resume at
-step 900k with the same schedule), tiny (a CPU model that trains in a minute or two).
+step 900k with the same schedule and a fresh seq-512 data iterator), tiny / tiny_512 (a CPU model
+that trains in a minute or two; the same two phases at seq 64 then 128).
 """
 from lm_jax import defaults
 
@@ -16,7 +17,7 @@ SIZES = {  # layers, d_model, heads, d_ff (paper §3)
 def get_config(arg="base"):
   size, _, phase = arg.partition("_")
   if size not in SIZES or phase not in ("", "512"):
-    raise ValueError(f"configs/bert.py: unknown variant {arg!r}; use base, large, base_512, large_512, tiny")
+    raise ValueError(f"configs/bert.py: unknown variant {arg!r}; use base, large, base_512, large_512, tiny, tiny_512")
   c = defaults.base_config()
   c.objective = "mlm"
 
@@ -52,20 +53,21 @@ def get_config(arg="base"):
   if phase == "512":
     c.data.seq_len = 512
     c.data.max_predictions_per_seq = 77  # round(0.15 * 512); the official value is unverified
-    c.phase_end_step = c.total_steps
+    c.phase_end_step = 0                 # to total_steps
 
-  if size == "tiny":
+  if size == "tiny":  # phase 1 at seq 64 for 90% of 200 steps; tiny_512 finishes at seq 128
     m.vocab_size = 2048
     m.max_positions = 128
     m.dropout_rate = m.attention_dropout_rate = 0.0
     c.data.tfds_name = "tiny_shakespeare"
     c.data.train_split, c.data.eval_split = "train", "validation"
     c.data.tokenizer_type = "unigram"
-    c.data.max_predictions_per_seq = 20
+    c.data.seq_len, c.data.max_predictions_per_seq = (128, 20) if phase else (64, 10)
     c.optimizer.lr = 1e-3
     c.optimizer.warmup_steps = 20
     c.batch_size = 32
-    c.total_steps = c.phase_end_step = 200
+    c.total_steps = 200
+    c.phase_end_step = 0 if phase else 180
     c.log_every = 20
     c.eval_every = 100
     c.checkpoint_every = 100

@@ -9,8 +9,9 @@ The papers' recipes (REFERENCE.md §1.2, §2, §3.3):
               decoupled decay (lr * l2 * param) on weights of rank > 1.
   adafactor   T5: factored second moments, update clipping 1.0, decay 0.8, parameter-scaled steps.
   adamw       generic AdamW, decay on weights of rank > 1.
-"Rank" ignores the stacked 'layers' axis of scanned models, so LayerNorm scales and biases are vectors
-with or without `scan_layers`; for BERT that is exactly "not LayerNorm, not bias".
+"Rank" ignores the stacked 'layers' axis of scanned models, so LayerNorm scales are vectors with or
+without `scan_layers`; params named 'bias' are never decayed. For BERT that is exactly "not LayerNorm,
+not bias", for GPT-1 exactly "rank > 1" of the original code.
 """
 import jax
 import jax.numpy as jnp
@@ -39,9 +40,11 @@ def schedule(opt, total_steps: int):
 
 
 def decay_mask(logical_axes):
-  """True for weights of rank > 1, not counting the scanned 'layers' axis (see module doc)."""
-  rank = lambda spec: sum(1 for a in spec if a != "layers")
-  return jax.tree.map(lambda s: rank(s) > 1, logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  """True for weights of rank > 1 that are not biases (see module doc); attention q/k/v biases are
+  (heads, head_dim) matrices here but vectors in the original code, so the name decides."""
+  def decay(path, spec):
+    return getattr(path[-1], "key", None) != "bias" and sum(1 for a in spec if a != "layers") > 1
+  return jax.tree_util.tree_map_with_path(decay, logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def make(config, logical_axes):

@@ -65,12 +65,14 @@ def logical_to_sharding(logical, mesh: Mesh, rules_):
                       is_leaf=_is_spec)
 
 
-def check_divisible(abstract, shardings):
-  """One-line error when a parameter dimension cannot be split evenly over its mesh axes."""
-  for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(shardings)):
-    for dim, axes in zip(a.shape, s.spec):
+def check_divisible(abstract_params, logical, sizes: dict, rules_):
+  """One-line error when a parameter dimension cannot be split evenly over its mesh axes
+  (sizes: mesh axis name -> size)."""
+  specs = jax.tree.leaves(logical, is_leaf=_is_spec)
+  for (path, a), spec in zip(jax.tree_util.tree_leaves_with_path(abstract_params), specs):
+    for dim, axes in zip(a.shape, nn.logical_to_mesh_axes(tuple(spec), rules_)):
       axes = (axes,) if isinstance(axes, str) else axes or ()
-      n = int(np.prod([s.mesh.shape[x] for x in axes]))
+      n = int(np.prod([sizes[x] for x in axes]))
       if dim % n:
         raise ValueError(f"param {jax.tree_util.keystr(path)} {a.shape}: dim {dim} is not divisible by mesh "
                          f"axes {axes} of size {n}; change config.mesh or config.logical_axis_rules")

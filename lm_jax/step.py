@@ -53,7 +53,7 @@ def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
       metrics_shape = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], mbs), den, rng)[1]
       zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, metrics_shape))
       (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(n), mbs))
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = jnp.asarray(lr_schedule(state["step"]), jnp.float32)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}

@@ -43,7 +43,7 @@ def validate(config, num_devices: int, process_count: int = 1):
     require(config[field] >= 1, f"config.{field} must be >= 1, got {config[field]}")
   require(config.eval_every >= 0, f"config.eval_every must be >= 0, got {config.eval_every}")
   require(0 <= config.phase_end_step <= config.total_steps,
-          f"config.phase_end_step={config.phase_end_step} must be in [0, total_steps={config.total_steps}]")
+          f"config.phase_end_step={config.phase_end_step} must be in [0, total_steps={config.total_steps}] (0 = total_steps)")
   data, fsdp, tensor = sharding.mesh_shape(config, num_devices)
   require(m.num_heads % tensor == 0,
           f"config.model.num_heads={m.num_heads} is not divisible by config.mesh.tensor={tensor}")
@@ -53,6 +53,8 @@ def validate(config, num_devices: int, process_count: int = 1):
   require(config.batch_size % shards == 0,
           f"config.batch_size={config.batch_size} is not divisible by config.microbatches * mesh.data * mesh.fsdp "
           f"= {config.microbatches}*{data}*{fsdp} = {shards}")
+  sharding.check_divisible(models.abstract_params(m), models.logical_axes(m),
+                           dict(zip(sharding.AXES, (data, fsdp, tensor))), sharding.rules(config))
 
 
 # ----------------------------------------------------------------------------------------------------- setup
@@ -61,7 +63,6 @@ def _state_sharding(config, tx, mesh, rules):
   abstract_params = models.abstract_params(config.model)
   logical = models.logical_axes(config.model)
   params_sh = sharding.logical_to_sharding(logical, mesh, rules)
-  sharding.check_divisible(abstract_params, params_sh)
   abstract = jax.eval_shape(lambda p: step.init_state(p, tx), abstract_params)
   opt_sh = sharding.opt_state_sharding(abstract["opt_state"], abstract_params, params_sh, mesh)
   return abstract, {"params": params_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
