@@ -148,7 +148,7 @@ def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
   abstract_params = models.abstract_params(config.model)
   logical = models.logical_axes(config.model)
   params_sh = sharding.logical_to_sharding(logical, abstract_mesh, rules)
-  sharding.check_divisible(abstract_params, params_sh)
+  sharding.check_divisible(abstract_params, logical, sizes, rules)
   tx, _ = optim.make(config, logical)
   abstract_opt = jax.eval_shape(lambda p: step.init_state(p, tx), abstract_params)["opt_state"]
   opt_sh = sharding.opt_state_sharding(abstract_opt, abstract_params, params_sh, abstract_mesh)

@@ -1,0 +1,138 @@
+"""Multi-host training on one machine: `launch/local.sh 2` (2 processes x 4 CPU devices, gloo collectives)
+against 1 process x 8 devices fed the same global batches, and checkpoints moving between 2 and 1 processes.
+
+Four tiny GPT-1 runs of 10 steps (checkpoints at 6 and 10): the 2-process run, the 1-process reference, and
+each run's step-6 checkpoint resumed with the other process count.
+"""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = "--config=configs/gpt1.py:tiny"
+OVERRIDES = {"data.tfds_name": "", "total_steps": 10, "checkpoint_every": 6, "log_every": 1, "eval_every": 0,
+             "batch_size": 8, "data.seq_len": 64, "mesh.fsdp": 2, "mesh.tensor": 2, "optimizer.warmup_steps": 0,
+             "optimizer.lr": 3e-3}
+TIMEOUT = 600
+
+# 1 process, 8 devices, fed exactly the global batches 2 processes build: process 0's rows, then process 1's
+# (the order make_array_from_process_local_data gives them on a mesh whose first half is process 0's devices).
+REFERENCE = """
+import sys
+import numpy as np
+from absl import app
+from lm_jax import main
+from lm_jax.data import pipeline
+
+make = pipeline.make_train_iterator
+
+class TwoHosts:
+  def __init__(self, config, tokenizer):
+    self.hosts = [make(config, tokenizer, process_index=i, process_count=2) for i in range(2)]
+  def __next__(self):
+    parts = [next(h) for h in self.hosts]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+  def get_state(self):
+    return {"hosts": [h.get_state() for h in self.hosts]}
+  def close(self):
+    for h in self.hosts:
+      h.close()
+
+pipeline.make_train_iterator = lambda config, tokenizer, **unused: TwoHosts(config, tokenizer)
+app.run(main.main, argv=sys.argv)
+"""
+
+
+def _flags(overrides):
+  return [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+def _env(devices: int, workdir: pathlib.Path) -> dict:
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+              LM_JAX_DEVICES_PER_PROCESS=str(devices), LM_JAX_LOG_DIR=str(workdir / "logs"),
+              PYTHONPATH=str(REPO))
+
+
+def _check(run, workdir):
+  logs = "".join(p.read_text()[-3000:] for p in sorted((workdir / "logs").glob("*.log"))) \
+      if (workdir / "logs").is_dir() else ""
+  assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{logs}"
+  return run.stdout + run.stderr
+
+
+def two_processes(workdir, overrides):
+  run = subprocess.run([str(REPO / "launch" / "local.sh"), "2", CONFIG, f"--workdir={workdir}", *_flags(overrides)],
+                       cwd=REPO, env=_env(4, workdir), capture_output=True, text=True, timeout=TIMEOUT)
+  return _check(run, workdir)
+
+
+def one_process(workdir, overrides, devices, script=None):
+  entry = ["-c", script] if script else ["-m", "lm_jax.main"]
+  run = subprocess.run([sys.executable, *entry, CONFIG, f"--workdir={workdir}", *_flags(overrides)], cwd=REPO,
+                       env=_env(devices, workdir), capture_output=True, text=True, timeout=TIMEOUT)
+  return _check(run, workdir)
+
+
+def losses(workdir) -> dict:
+  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def resume_from_step_6(src, dst):
+  """A copy of run `src` that stopped at its step-6 checkpoint."""
+  shutil.copytree(src, dst, ignore=shutil.ignore_patterns("logs", "tensorboard"))
+  shutil.rmtree(dst / "checkpoints" / "10")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, shared_data):
+  """Workdirs of the 2-process run and the 1-process reference (same tokenizer, same global batches)."""
+  from lm_jax.data import tokenizer
+  sys.path.insert(0, str(REPO / "configs"))
+  import gpt1
+  sys.path.pop(0)
+  root = tmp_path_factory.mktemp("multihost")
+  overrides = dict(OVERRIDES, **{"data.files": str(shared_data / "tiny_shakespeare" / "input.txt")})
+  config = gpt1.get_config("tiny")
+  config.data.files = overrides["data.files"]
+  tokenizer.load_or_train(config, str(root / "tok"))
+  overrides["data.tokenizer"] = str(next((root / "tok").glob("*.model")))
+  two_processes(root / "two", overrides)
+  one_process(root / "one", overrides, devices=8, script=REFERENCE)
+  return root, overrides
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(runs):
+  root, _ = runs
+  two, one = losses(root / "two"), losses(root / "one")
+  assert sorted(two) == list(range(1, 11)) and sorted(one) == list(range(1, 11))
+  for s in range(1, 11):
+    assert abs(two[s] - one[s]) < 1e-5, (s, two[s], one[s])
+  assert two[10] < two[1] - 0.5  # it trained
+  assert (root / "two" / "checkpoints" / "6").is_dir() and (root / "two" / "checkpoints" / "10").is_dir()
+
+
+def test_checkpoint_of_two_processes_resumes_in_one(runs):
+  root, overrides = runs
+  resume_from_step_6(root / "two", root / "two_then_one")
+  out = one_process(root / "two_then_one", overrides, devices=4)  # mesh (1, 2, 2): reshards on restore
+  assert "resumed step 6" in out
+  got = losses(root / "two_then_one")
+  assert sorted(got) == list(range(1, 11))
+  assert all(got[s] == losses(root / "two")[s] for s in range(1, 7))  # metrics.jsonl cut back to step 6
+  assert got[7] < got[1] - 0.5  # restored weights, not a fresh init
+
+
+def test_checkpoint_of_one_process_resumes_in_two(runs):
+  root, overrides = runs
+  resume_from_step_6(root / "one", root / "one_then_two")
+  out = two_processes(root / "one_then_two", overrides)
+  assert "resumed step 6" in out
+  got = losses(root / "one_then_two")
+  assert sorted(got) == list(range(1, 11))
+  assert got[7] < got[1] - 0.5
