@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from lm_jax import defaults
 from lm_jax.models import layers
@@ -160,7 +161,7 @@ def to_hf(cfg, params: dict) -> dict:
 
 def from_hf(cfg, tensors: dict) -> dict:
   """Params from BertForPreTraining or BertModel tensors. What an encoder-only checkpoint lacks
-  (pooler, MLM / NSP heads) is initialised randomly (seed 0), as transformers does, with a warning."""
+  (pooler, MLM / NSP heads) is initialised randomly (numpy seed 0) as transformers would, with a warning."""
   from lm_jax import models
   prefix = "bert." if any(k.startswith("bert.") for k in tensors) else ""
   if "cls.predictions.bias" not in tensors and "cls.predictions.decoder.bias" in tensors:   # older exports
@@ -176,11 +177,15 @@ def from_hf(cfg, tensors: dict) -> dict:
         missing.append((pre + hf, path))
       else:
         raise ValueError(f"BERT checkpoint lacks tensor {pre + hf!r}")
-  if missing:
+  if missing:   # transformers' _init_weights: N(0, initializer_range) kernels, LN 1 / 0, zero biases
     logging.warning("BERT checkpoint lacks %s: initialised randomly", ", ".join(name for name, _ in missing))
-    fresh = models.init(looped, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
     for _, path in missing:
-      _set(params, path, _get(fresh, path))
+      shape = _get(shapes, path).shape
+      if path[-1] == "kernel":
+        _set(params, path, rng.normal(0.0, cfg.initializer_range, shape))
+      else:
+        _set(params, path, np.ones(shape) if path[-1] == "scale" else np.zeros(shape))
   per_layer = [layers.tree_from_hf(tensors, _LAYER, shapes[f"layers_{i}"], f"{prefix}encoder.layer.{i}.")
                for i in range(cfg.num_layers)]
   params |= layers.put_layers(per_layer, cfg.scan_layers)

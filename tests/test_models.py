@@ -1,0 +1,191 @@
+"""Models: parameter counts, config errors, scan == loop, masks, sparse MLM head, KV cache, packing.
+
+Random init compiles slowly on CPU (threefry), so each family is initialised once per module and the
+scanned layout is derived from the looped one.
+"""
+import functools
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from lm_jax import defaults, models, summary
+from lm_jax.models import layers
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+IDS = jnp.array([[2, 5, 6, 7, 8, 9, 3], [2, 4, 5, 3, 0, 0, 0]])
+MASK = (IDS > 0).astype(jnp.int32)
+
+
+def tiny(base_family, **fields):
+  """Unusual sizes on purpose: head dim 16, odd vocab, d_ff not 4*d."""
+  m = defaults.model_defaults(base_family)
+  m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.d_ff, m.max_positions = 101, 48, 2, 3, 80, 32
+  m.update(fields)
+  return m
+
+
+_apply = jax.jit(models.apply, static_argnums=0, static_argnames="train")
+
+
+def run(cfg, params, batch, **kw):
+  """Jitted models.apply (one compile per config and shapes; eager flax compiles op by op)."""
+  return _apply(ml_collections.FrozenConfigDict(cfg), params, batch, **kw)
+
+
+def scanned(params, num_layers=2):
+  """Looped params -> the scan_layers=True layout."""
+  rest = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  return rest | layers.put_layers(layers.get_layers(params, num_layers), scan=True)
+
+
+@pytest.fixture(scope="module")
+def bert_params():
+  return models.init(tiny("bert"), jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="module")
+def gpt_params():
+  return models.init(tiny("gpt"), jax.random.PRNGKey(0))
+
+
+def test_summary_main_bert_base():
+  out = subprocess.run([sys.executable, "-m", "lm_jax.main", "--config=configs/bert.py:base", "--mode=summary"],
+                       cwd=REPO, capture_output=True, text=True, check=True).stdout
+  assert "params: 109482240\n" in out
+  assert "head mlm: 622650\n" in out and "head nsp: 1538\n" in out
+  assert "layers_*/attention/query/kernel" in out
+
+
+@pytest.mark.parametrize("config,count", [("bert.py:large", 335141888), ("gpt1.py:gpt1", 116534784),
+                                          ("t5.py:small", 60506624)])
+def test_summary_counts(config, count, capsys):
+  path, variant = config.split(":")
+  summary.print_summary(runpy.run_path(str(REPO / "configs" / path))["get_config"](variant))
+  assert f"params: {count}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(num_heads=5), "num_heads=5 does not divide model.d_model=48"),
+    (dict(activation="swish"), "unknown activation 'swish'"),
+    (dict(family="rnn"), "unknown model.family 'rnn'"),
+    (dict(d_model=0), "model.d_model must be a positive integer"),
+    (dict(vocab_size=-3), "model.vocab_size must be a positive integer"),
+    (dict(remat_policy="some"), "unknown model.remat_policy 'some'"),
+    (dict(dtype="float8"), "unknown dtype 'float8'"),
+    (dict(dropout_rate=1.0), "model.dropout_rate must be in"),
+])
+def test_bad_config_one_line_error(fields, message):
+  with pytest.raises(ValueError, match=message) as e:
+    models.abstract_params(tiny("bert", **fields))
+  assert "\n" not in str(e.value)
+
+
+def test_head_dim_need_not_divide_width():
+  m = tiny("gpt", num_heads=5, head_dim=8)
+  p = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), models.abstract_params(m))
+  assert p["layers_0"]["attention"]["query"]["kernel"].shape == (48, 5, 8)
+  assert run(m, p, {"input_ids": IDS})["logits"].shape == (2, 7, 101)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt"])
+def test_scan_matches_loop_and_axes(family, bert_params, gpt_params):
+  p = {"bert": bert_params, "gpt": gpt_params}[family]
+  scan = tiny(family, scan_layers=True, remat_policy="full")
+  assert jax.tree.structure(scanned(p)) == jax.tree.structure(models.abstract_params(scan))
+  batch = {"input_ids": IDS, "attention_mask": MASK}
+  np.testing.assert_allclose(run(tiny(family), p, batch)["logits"], run(scan, scanned(p), batch)["logits"], atol=1e-5)
+  axes = models.logical_axes(scan)
+  assert axes["layers"]["attention"]["query"]["kernel"] == jax.sharding.PartitionSpec("layers", "embed", "heads", "kv")
+  assert axes["word_embeddings"]["embedding"] == jax.sharding.PartitionSpec("vocab", "embed")
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  assert jax.tree.structure(axes, is_leaf=is_spec) == jax.tree.structure(scanned(p))
+
+
+def test_remat_policies(gpt_params):
+  p = scanned(gpt_params)
+  loss = lambda m: jax.grad(lambda p: models.apply(m, p, {"input_ids": IDS})["logits"].std())
+  for remat in ("minimal", "full"):   # the policy reaches the traced program (cheap: no compile)
+    assert "remat" in str(jax.make_jaxpr(loss(tiny("gpt", scan_layers=True, remat_policy=remat)))(p))
+  assert "remat" not in str(jax.make_jaxpr(loss(tiny("gpt", scan_layers=True)))(p))
+  full = jax.jit(loss(tiny("gpt", scan_layers=True, remat_policy="full")))(p)
+  none = jax.jit(loss(tiny("gpt", scan_layers=True)))(p)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), full, none)
+
+
+def test_bert_padding_and_sparse_head(bert_params):
+  m, p = tiny("bert"), bert_params
+  batch = {"input_ids": IDS, "attention_mask": MASK, "token_type_ids": jnp.zeros_like(IDS)}
+  full = run(m, p, batch)
+  # padding is invisible: the short row alone, unpadded, gives the same outputs
+  alone = run(m, p, {k: v[1:, :4] for k, v in batch.items()})
+  np.testing.assert_allclose(full["hidden"][1, :4], alone["hidden"][0], atol=1e-5)
+  np.testing.assert_allclose(full["nsp_logits"][1], alone["nsp_logits"][0], atol=1e-5)
+  positions = jnp.array([[1, 4, 6], [0, 2, 2]])
+  sparse = run(m, p, {**batch, "mlm_positions": positions})
+  assert sparse["logits"].shape == (2, 3, 101)
+  np.testing.assert_allclose(sparse["logits"], jnp.take_along_axis(full["logits"], positions[..., None], 1), atol=1e-5)
+
+
+def test_dropout_only_in_training(bert_params):
+  m, p = tiny("bert", dropout_rate=0.1, attention_dropout_rate=0.1), bert_params
+  batch = {"input_ids": IDS, "attention_mask": MASK}
+  a = run(m, p, batch, rng=jax.random.PRNGKey(1), train=True)["logits"]
+  b = run(m, p, batch, rng=jax.random.PRNGKey(1), train=True)["logits"]
+  np.testing.assert_array_equal(a, b)
+  assert np.abs(a - run(m, p, batch)["logits"]).max() > 1e-3
+  with pytest.raises(ValueError, match="needs an rng"):
+    models.apply(m, p, batch, train=True)
+
+
+def test_gpt_kv_cache_matches_full_forward(gpt_params):
+  m, p = tiny("gpt", scan_layers=True), scanned(gpt_params)
+  full = run(m, p, {"input_ids": IDS, "attention_mask": MASK})["logits"]
+  step = jax.jit(functools.partial(models.decode_step, m))
+  cache = models.init_cache(m, p, {"input_ids": IDS}, 10)
+  logits, cache = step(p, IDS[:, :3], cache, MASK[:, :3])   # the prompt in one call
+  out = [logits]
+  for t in range(3, IDS.shape[1]):
+    logits, cache = step(p, IDS[:, t:t + 1], cache, MASK[:, t:t + 1])
+    out.append(logits)
+  assert int(cache["index"]) == 7
+  real = np.asarray(MASK, bool)
+  np.testing.assert_allclose(np.concatenate(out, 1)[real], np.asarray(full)[real], atol=1e-5)
+  with pytest.raises(ValueError, match="exceeds model.max_positions 32"):
+    models.init_cache(m, p, {"input_ids": IDS}, 33)
+
+
+def test_gpt_packed_row_equals_documents_alone(gpt_params):
+  m, p = tiny("gpt"), gpt_params
+  docs = [[5, 6, 7], [8, 9, 10, 11], [12]]
+  ids = jnp.array([sum(docs, []) + [0]])
+  segments = jnp.array([[1] * 3 + [2] * 4 + [3] + [0]])
+  positions = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0, 0]])
+  packed = run(m, p, {"input_ids": ids, "segment_ids": segments, "positions": positions})["logits"][0]
+  alone = run(m, p, {"input_ids": jnp.array([docs[1] + [0] * 5])})["logits"][0]   # doc 2, right-padded
+  np.testing.assert_allclose(packed[3:7], alone[:4], atol=1e-5)
+  first = run(m, p, {"input_ids": ids[:, :3]})["logits"][0]
+  np.testing.assert_allclose(packed[:3], first, atol=1e-5)
+  unsegmented = run(m, p, {"input_ids": ids, "positions": positions})["logits"][0]
+  assert np.abs(unsegmented[3:7] - alone[:4]).max() > 1e-3   # the test would notice leaking
+
+
+def test_bfloat16_compute_keeps_float32_params(bert_params):
+  batch = {"input_ids": IDS, "attention_mask": MASK}
+  out = run(tiny("bert", dtype="bfloat16"), bert_params, batch)
+  assert out["hidden"].dtype == jnp.bfloat16 and out["logits"].dtype == jnp.float32
+  ref = run(tiny("bert"), bert_params, batch)["logits"]
+  assert np.abs(out["logits"] - ref).max() < 0.1
+  abstract = models.abstract_params(tiny("bert", dtype="bfloat16"))
+  assert {a.dtype for a in jax.tree.leaves(abstract)} == {jnp.dtype("float32")}
+
+
+def test_frozen_config_accepted(gpt_params):
+  m = ml_collections.FrozenConfigDict(tiny("gpt"))
+  assert models.count(models.abstract_params(m)) == models.count(gpt_params) == 101 * 48 + 32 * 48 + 2 * (4 * 48 * 48 + 4 * 48 + 2 * 48 * 80 + 80 + 48 + 4 * 48)
