@@ -201,3 +201,93 @@ def test_single_process_is_a_no_op_and_main():
     pytest.skip(f"running under a {distributed.launcher()} launch")
   assert distributed.maybe_initialize() == ""
   assert distributed.is_main_process()
+
+
+# --- lm_jax.memory --------------------------------------------------------------------------------
+
+def _config(name, variant):
+  sys.path.insert(0, str(REPO / "configs"))
+  try:
+    return __import__(name).get_config(variant)
+  finally:
+    sys.path.pop(0)
+
+
+def test_memory_params_and_adam_state_are_exact_and_split_by_fsdp():
+  from lm_jax import memory
+  config = _config("gpt1", "gpt1")
+  one = memory.estimate(config, mesh=(1, 1, 1))
+  assert one.params == 116_534_784 * 4                      # REFERENCE.md exact GPT-1 count, float32
+  assert one.grads == one.params
+  assert 0 <= one.opt_state - 2 * one.params < 64            # Adam mu + nu, plus int32 step counters
+  fsdp = memory.estimate(config, mesh=(1, 8, 1))
+  assert one.params / 8 <= fsdp.params < one.params / 8 * 1.01  # all but the (heads, kv) biases split
+  assert fsdp.rows == one.rows // 8 and fsdp.activations < one.activations
+  config.microbatches = 2
+  assert memory.estimate(config, mesh=(1, 8, 1)).grads == 2 * fsdp.grads  # accumulator + microbatch grads
+
+
+def test_memory_activations_follow_rows_tensor_and_remat():
+  from lm_jax import memory
+  config = _config("t5", "large")
+  config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
+  base = memory.estimate(config, mesh=(16, 1, 1))
+  assert base.rows == 128 // 16
+  config.batch_size = 256
+  assert memory.estimate(config, mesh=(16, 1, 1)).activations == 2 * base.activations
+  config.batch_size = 128
+  tensor = memory.estimate(config, mesh=(8, 1, 2))
+  assert tensor.rows == 2 * base.rows and tensor.activations < 2 * base.activations
+  config.model.remat_policy = "minimal"
+  minimal = memory.estimate(config, mesh=(16, 1, 1)).activations
+  config.model.remat_policy = "full"
+  full = memory.estimate(config, mesh=(16, 1, 1))
+  assert full.activations < minimal < base.activations
+  text = str(full)
+  assert "mesh data=16 fsdp=1 tensor=1 (16 devices)" in text and "remat=full" in text
+  assert f"{full.total / 2**30:9.3f} GiB" in text
+  with pytest.raises(ValueError, match="mesh must be 3 positive sizes"):
+    memory.estimate(config, mesh=(16, 0, 1))
+
+
+MEASURE = """
+import json, sys
+import jax
+from flax import linen as nn
+sys.path.insert(0, "configs")
+from lm_jax import models, optim, sharding, train
+out = {}
+for name, variant, mesh in (("gpt1", "tiny", (2, 2, 2)), ("t5", "tiny", (1, 4, 2)), ("gpt1", "tiny", (1, 8, 1))):
+  config = __import__(name).get_config(variant)
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+  m = sharding.make_mesh(config)
+  tx, _ = optim.make(config, models.logical_axes(config.model))
+  _, state_sh = train._state_sharding(config, tx, m, sharding.rules(config))
+  state = train._init_state(config, tx, state_sh)
+  dev = jax.devices()[0]
+  per_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+                                if s.device == dev)
+  out[f"{name}{mesh}"] = [per_device(state["params"]), per_device(state["opt_state"])]
+print(json.dumps(out))
+"""
+
+
+def test_memory_matches_a_real_sharded_train_state_on_8_devices():
+  """Param and optimizer bytes on device 0 of a state the trainer initialised on 8 simulated devices."""
+  from lm_jax import memory
+  run = subprocess.run([sys.executable, "-c", MEASURE], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+                                XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+  assert run.returncode == 0, run.stderr[-2000:]
+  measured = __import__("json").loads(run.stdout.strip().splitlines()[-1])
+  for name, variant, mesh in (("gpt1", "tiny", (2, 2, 2)), ("t5", "tiny", (1, 4, 2)), ("gpt1", "tiny", (1, 8, 1))):
+    est = memory.estimate(_config(name, variant), mesh=mesh)
+    assert [est.params, est.opt_state] == measured[f"{name}{mesh}"], (name, mesh)
+
+
+def test_memory_cli_prints_the_table_for_a_what_if_mesh():
+  run = subprocess.run([sys.executable, "-m", "lm_jax.memory", "--config=configs/gpt1.py:tiny", "--devices=16",
+                        "--config.mesh.fsdp=4"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "mesh data=4 fsdp=4 tensor=1 (16 devices), 2 rows/device" in run.stdout
