@@ -24,31 +24,19 @@ import numpy as np
 from lm_jax import defaults
 from lm_jax.models import layers
 
-_ACTS_TO_HF = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}
-_ACTS_FROM_HF = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-
 
 def num_decoder_layers(cfg) -> int:
   return cfg.num_decoder_layers or cfg.num_layers
 
 
 def check_config(cfg) -> None:
-  """One-line ValueError for a config no T5 can have."""
-  for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
-    if cfg[field] <= 0:
-      raise ValueError(f"model.{field} must be > 0 for t5, got {cfg[field]}")
-  if cfg.num_decoder_layers < 0:
-    raise ValueError(f"model.num_decoder_layers must be >= 0 (0 = num_layers), got {cfg.num_decoder_layers}")
-  if not cfg.head_dim and cfg.d_model % cfg.num_heads:
-    raise ValueError(f"model.d_model {cfg.d_model} is not divisible by model.num_heads {cfg.num_heads}; "
-                     "set model.head_dim (T5's d_kv)")
-  if cfg.relative_attention_num_buckets < 4:
-    raise ValueError(f"model.relative_attention_num_buckets must be >= 4, got {cfg.relative_attention_num_buckets}")
-  if cfg.relative_attention_max_distance <= cfg.relative_attention_num_buckets // 2:
-    raise ValueError(f"model.relative_attention_max_distance {cfg.relative_attention_max_distance} must exceed "
-                     f"relative_attention_num_buckets // 2 = {cfg.relative_attention_num_buckets // 2}")
-  layers.activation(cfg.activation)
-  layers.dtype(cfg.dtype), layers.dtype(cfg.param_dtype)
+  """T5-only checks (lm_jax.models.validate runs the generic ones first)."""
+  buckets, distance = cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
+  if buckets < 4:
+    raise ValueError(f"model.relative_attention_num_buckets must be >= 4 (exact buckets per direction), got {buckets}")
+  if distance <= buckets // 2:
+    raise ValueError(f"model.relative_attention_max_distance {distance} must exceed "
+                     f"relative_attention_num_buckets // 2 = {buckets // 2}")
 
 
 def relative_position_bucket(relative_position: jax.Array, *, bidirectional: bool, num_buckets: int,
@@ -141,8 +129,12 @@ class Stack(nn.Module):
     return layers.constrain(drop(x), ("batch", "length", "embed")), cache
 
 
-class T5(nn.Module):
-  """Params: shared (vocab, embed), encoder, decoder, and lm_head when the embeddings are untied."""
+class Model(nn.Module):
+  """Params: shared (vocab, embed), encoder, decoder, and lm_head when the embeddings are untied.
+
+  batch: input_ids, attention_mask (B,L); decoder_input_ids, decoder_attention_mask (B,T) (masks optional) ->
+  logits (B,T,V) float32, hidden (B,T,D) (decoder, after its final norm), encoder_hidden (B,L,D).
+  """
   cfg: ml_collections.FrozenConfigDict
 
   def setup(self):
@@ -158,118 +150,120 @@ class T5(nn.Module):
   def encode(self, input_ids, attention_mask, train: bool = False):
     x = layers.constrain(self.shared(input_ids), ("batch", "length", "embed"))
     pos = jnp.arange(input_ids.shape[1])
-    mask = layers.make_attention_mask(attention_mask)
-    x, _ = self.encoder(x, mask, pos, pos, deterministic=not train)
+    x, _ = self.encoder(x, layers.make_attention_mask(attention_mask), pos, pos, deterministic=not train)
     return x
 
   def decode(self, decoder_input_ids, decoder_attention_mask, encoded, attention_mask, *, cache=None,
-             cache_index=None, train: bool = False):
-    """Logits (float32) and last hidden; with a cache, keys are its slots and queries start at cache_index."""
+             train: bool = False):
+    """-> (logits, hidden, new {'k','v'}). With a cache ({'k','v','index'}) the queries sit at index + arange(T),
+    the keys are all cache slots and decoder_attention_mask (B, slots) marks the filled ones."""
     t = decoder_input_ids.shape[1]
     x = layers.constrain(self.shared(decoder_input_ids), ("batch", "length", "embed"))
     if cache is None:
-      q_pos = kv_pos = jnp.arange(t)
-      mask = layers.make_attention_mask(decoder_attention_mask, causal=True, q_len=t, kv_len=t)
+      index, kv, q_pos = None, None, jnp.arange(t)
+      kv_pos = q_pos
     else:
-      q_pos, kv_pos = cache_index + jnp.arange(t), jnp.arange(cache["k"].shape[2])
-      mask = layers.make_attention_mask(decoder_attention_mask, causal=True, q_index=q_pos[None],
-                                        kv_index=kv_pos[None])
+      index, kv, q_pos = cache["index"], {"k": cache["k"], "v": cache["v"]}, cache["index"] + jnp.arange(t)
+      kv_pos = jnp.arange(cache["k"].shape[2])
+    mask = layers.make_attention_mask(decoder_attention_mask, causal=True, q_index=q_pos[None],
+                                      kv_index=kv_pos[None])
     cross_mask = layers.make_attention_mask(attention_mask)
-    hidden, cache = self.decoder(x, mask, q_pos, kv_pos, encoded, cross_mask, cache, cache_index,
-                                 deterministic=not train)
+    hidden, kv = self.decoder(x, mask, q_pos, kv_pos, encoded, cross_mask, kv, index, deterministic=not train)
     if self.cfg.tie_embeddings:
       logits = self.shared.attend(hidden * self.cfg.d_model ** -0.5)
     else:
       logits = self.lm_head(hidden)
-    return layers.constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32), hidden, cache
+    return layers.constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32), hidden, kv
 
-  def __call__(self, batch, train: bool = False):
-    encoded = self.encode(batch["input_ids"], batch["attention_mask"], train)
-    logits, hidden, _ = self.decode(batch["decoder_input_ids"], batch["decoder_attention_mask"], encoded,
-                                    batch["attention_mask"], train=train)
+  def __call__(self, batch: dict, train: bool = False) -> dict:
+    mask = batch.get("attention_mask")
+    encoded = self.encode(batch["input_ids"], mask, train)
+    logits, hidden, _ = self.decode(batch["decoder_input_ids"], batch.get("decoder_attention_mask"), encoded, mask,
+                                    train=train)
     return {"logits": logits, "hidden": hidden, "encoder_hidden": encoded}
 
 
-def model(cfg) -> T5:
-  check_config(cfg)
-  return T5(layers.frozen(cfg))
+def example_batch(cfg) -> dict:
+  ids = jnp.zeros((1, 2), jnp.int32)
+  return {"input_ids": ids, "attention_mask": ids + 1, "decoder_input_ids": ids, "decoder_attention_mask": ids + 1}
 
 
-def _dummy_batch():
-  ones = jnp.ones((1, 1), jnp.int32)
-  return {"input_ids": ones, "attention_mask": ones, "decoder_input_ids": ones, "decoder_attention_mask": ones}
+def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
+  """Runs the encoder on batch['input_ids'/'attention_mask'] once; empty decoder self-attention cache.
 
-
-def init_boxed(cfg, rng):
-  """Params with their nn.LogicallyPartitioned boxes (for abstract_params / logical_axes)."""
-  return model(cfg).init({"params": rng}, _dummy_batch())["params"]
-
-
-def init(cfg, rng):
-  return nn.meta.unbox(jax.jit(lambda r: init_boxed(cfg, r))(rng))
-
-
-def abstract_params(cfg):
-  return nn.meta.unbox(jax.eval_shape(lambda r: init_boxed(cfg, r), jax.random.key(0)))
-
-
-def logical_axes(cfg):
-  return nn.get_partition_spec(jax.eval_shape(lambda r: init_boxed(cfg, r), jax.random.key(0)))
-
-
-def apply(cfg, params, batch, *, rng=None, train=False):
-  """Batch: input_ids, attention_mask (B,L); decoder_input_ids, decoder_attention_mask (B,T).
-
-  Returns logits (B,T,V) float32, hidden (B,T,D) (decoder, after its final norm), encoder_hidden (B,L,D).
+  k/v (decoder layers, B, max_length, heads, head_dim) in model.dtype, mask (B, max_length) of filled slots,
+  index = next slot, encoder_hidden (B,L,D) and encoder_mask (B,L) for the cross-attention.
   """
-  rngs = {"dropout": rng} if train else {}
-  if train and rng is None:
-    raise ValueError("t5 apply(train=True) needs rng for dropout")
-  return model(cfg).apply({"params": params}, batch, train=train, rngs=rngs)
-
-
-def init_cache(cfg, params, batch, max_len: int):
-  """Encodes batch['input_ids'/'attention_mask'] once and allocates an empty decoder cache of max_len slots.
-
-  The cache: encoder_hidden (B,L,D), attention_mask (B,L), decoder_mask (B,max_len) (1 = slot holds a real
-  token), index () next slot, layers {'k','v'} (decoder_layers, B, max_len, heads, head_dim).
-  """
-  encoded = model(cfg).apply({"params": params}, batch["input_ids"], batch["attention_mask"], method=T5.encode)
+  cfg = layers.frozen(cfg)
+  enc_mask = batch.get("attention_mask", jnp.ones(batch["input_ids"].shape, jnp.int32))
+  encoded = Model(cfg).apply({"params": params}, batch["input_ids"], enc_mask, method=Model.encode)
   b = encoded.shape[0]
-  shape = (num_decoder_layers(cfg), b, max_len, cfg.num_heads, layers.head_dim(cfg))
-  kv = jnp.zeros(shape, layers.dtype(cfg.dtype))
-  return {"encoder_hidden": encoded, "attention_mask": jnp.asarray(batch["attention_mask"]),
-          "decoder_mask": jnp.zeros((b, max_len), jnp.int32), "index": jnp.zeros((), jnp.int32),
-          "layers": {"k": kv, "v": kv}}
+  zeros = jnp.zeros((num_decoder_layers(cfg), b, max_length, cfg.num_heads, layers.head_dim(cfg)),
+                    layers.dtype(cfg.dtype))
+  return {"k": zeros, "v": zeros, "mask": jnp.zeros((b, max_length), bool), "index": jnp.zeros((), jnp.int32),
+          "encoder_hidden": encoded, "encoder_mask": jnp.asarray(enc_mask)}
 
 
-def decode_step(cfg, params, decoder_input_ids, cache, decoder_attention_mask=None):
-  """Feeds decoder_input_ids (B,T) at cache['index']; returns (logits (B,T,V) float32, updated cache).
+def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict,
+                attention_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """Appends decoder tokens input_ids (B,T) at cache['index'] -> (their logits (B,T,V), updated cache).
+  attention_mask (B,T) marks padding among the new tokens. The first call can feed a whole prefix.
 
-  decoder_attention_mask (B,T) marks padding among the new tokens (default: all real).
+  The cross-attention keys/values are recomputed from cache['encoder_hidden'] each step (layers.Attention
+  has no read-only cache).
   """
-  b, t = decoder_input_ids.shape
-  new_mask = jnp.ones((b, t), jnp.int32) if decoder_attention_mask is None else decoder_attention_mask
   index = cache["index"]
-  dec_mask = jax.lax.dynamic_update_slice(cache["decoder_mask"], new_mask.astype(jnp.int32), (0, index))
-  logits, _, kv = model(cfg).apply({"params": params}, decoder_input_ids, dec_mask, cache["encoder_hidden"],
-                                   cache["attention_mask"], cache=cache["layers"], cache_index=index,
-                                   method=T5.decode)
-  return logits, dict(cache, decoder_mask=dec_mask, index=index + t, layers=kv)
+  new = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
+  mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
+  logits, _, kv = Model(layers.frozen(cfg)).apply(
+      {"params": params}, input_ids, mask, cache["encoder_hidden"], cache["encoder_mask"],
+      cache=cache, method=Model.decode)
+  return logits, dict(cache, **kv, mask=mask, index=index + input_ids.shape[1])
 
 
-# ----------------------------------------------------------------------------------------- Hugging Face layout
+# ---- Hugging Face (T5ForConditionalGeneration) ----
+
+_ACT_TO_HF = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}
+_ACT_FROM_HF = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+_RELATIVE_BIAS = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"   # HF keeps it in layer 0
+_IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",   # copies of shared.weight
+            "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")   # unused by HF too
+
+
+def _attention(ours: str, theirs: str, norm: str) -> list:
+  return [*[(f"{theirs}.{b}.weight", (ours, a, "kernel"), "T1") for a, b in
+            (("query", "q"), ("key", "k"), ("value", "v"))],
+          (f"{theirs}.o.weight", (ours, "out", "kernel"), "T2"),
+          (f"{norm}.weight", (f"{ours}_norm", "scale"), "same")]
+
+
+def _layer_table(cfg, decoder: bool) -> list:
+  """(HF name under <stack>.block.<i>., our path in that layer, kind) rows, as in layers.tree_to_hf."""
+  table = _attention("self_attention", "layer.0.SelfAttention", "layer.0.layer_norm")
+  if decoder:
+    table += _attention("cross_attention", "layer.1.EncDecAttention", "layer.1.layer_norm")
+  ff = f"layer.{2 if decoder else 1}"
+  table += [(f"{ff}.DenseReluDense.{w}.weight", ("mlp", w, "kernel"), "T1")
+            for w in (("wi_0", "wi_1") if cfg.gated_ffn else ("wi",)) + ("wo",)]
+  return table + [(f"{ff}.layer_norm.weight", ("mlp_norm", "scale"), "same")]
+
+
+def _stack_table(stack: str) -> list:
+  return [(f"{stack}.final_layer_norm.weight", (stack, "final_norm", "scale"), "same"),
+          (f"{stack}.{_RELATIVE_BIAS}", (stack, "relative_bias", "table", "embedding"), "same")]
+
+
+def _top_table(cfg) -> list:
+  table = [("shared.weight", ("shared", "embedding"), "same")] + _stack_table("encoder") + _stack_table("decoder")
+  return table if cfg.tie_embeddings else table + [("lm_head.weight", ("lm_head", "kernel"), "T1")]
 
 
 def hf_config(cfg) -> dict:
-  """T5Config fields for config.json (transformers T5ForConditionalGeneration)."""
-  act = _ACTS_TO_HF[cfg.activation]
-  if cfg.gated_ffn:
-    if cfg.activation == "gelu":
-      raise ValueError("model.activation 'gelu' (exact) with gated_ffn has no HF T5 equivalent; use 'gelu_tanh'")
-    proj = "gated-gelu" if cfg.activation == "gelu_tanh" else f"gated-{act}"
-  else:
-    proj = act
+  """T5Config fields (config.json of T5ForConditionalGeneration)."""
+  if cfg.gated_ffn and cfg.activation == "gelu":
+    raise ValueError("HF T5 has no gated exact-erf GELU ('gated-gelu' is the tanh form); use activation 'gelu_tanh'")
+  act = _ACT_TO_HF[cfg.activation]
+  proj = ("gated-gelu" if act == "gelu_new" else f"gated-{act}") if cfg.gated_ffn else act
   return {
       "architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "is_encoder_decoder": True,
       "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "d_kv": layers.head_dim(cfg), "d_ff": cfg.d_ff,
@@ -284,14 +278,15 @@ def hf_config(cfg) -> dict:
 
 
 def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
-  """Model config from a T5Config dict (v1.0, v1.1 and the transformers>=5 `scale_decoder_outputs` form)."""
-  m = defaults.model_defaults("t5")
+  """Model config from a T5Config dict: v1.0, v1.1, and transformers>=5's form (tie_word_embeddings always
+  true, the d_model**-0.5 output scaling in scale_decoder_outputs)."""
   proj = hf.get("feed_forward_proj", "relu")
   parts = proj.split("-")
   act = "gelu_new" if proj == "gated-gelu" else parts[-1]
-  if act not in _ACTS_FROM_HF or len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
-    raise ValueError(f"config.json: unsupported T5 feed_forward_proj {proj!r}")
-  m.activation, m.gated_ffn = _ACTS_FROM_HF[act], parts[0] == "gated"
+  if act not in _ACT_FROM_HF or len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+    raise ValueError(f"unsupported T5 feed_forward_proj {proj!r}; known: relu, gelu, gelu_new, gated-<one of these>")
+  m = defaults.model_defaults("t5")
+  m.activation, m.gated_ffn = _ACT_FROM_HF[act], len(parts) == 2
   m.vocab_size, m.d_model, m.d_ff = hf["vocab_size"], hf["d_model"], hf["d_ff"]
   m.num_heads, m.head_dim, m.num_layers = hf["num_heads"], hf["d_kv"], hf["num_layers"]
   m.num_decoder_layers = hf.get("num_decoder_layers") or hf["num_layers"]
@@ -299,7 +294,6 @@ def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
   m.relative_attention_max_distance = hf.get("relative_attention_max_distance", 128)
   m.dropout_rate = m.attention_dropout_rate = hf.get("dropout_rate", 0.1)
   m.layer_norm_eps = hf.get("layer_norm_epsilon", 1e-6)
-  # transformers>=5 always writes tie_word_embeddings=True and keeps the output scaling in scale_decoder_outputs.
   m.tie_embeddings = bool(hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True)))
   m.pad_token_id = hf.get("pad_token_id", 0)
   m.eos_token_id = hf.get("eos_token_id", 1)
@@ -307,109 +301,39 @@ def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
   return m
 
 
-def _hf_layer_map(cfg, decoder: bool) -> dict:
-  """Our per-layer param path -> (HF suffix, to_hf, from_hf) with torch Linear weights (out, in)."""
-  d, h, dh = cfg.d_model, cfg.num_heads, layers.head_dim(cfg)
-  qkv = (lambda w: w.reshape(d, h * dh).T, lambda w: w.T.reshape(d, h, dh))
-  out = (lambda w: w.reshape(h * dh, d).T, lambda w: w.T.reshape(h, dh, d))
-  mat = (lambda w: w.T, lambda w: w.T)
-  vec = (lambda w: w, lambda w: w)
-  attn = [("self_attention", "layer.0.SelfAttention", "layer.0.layer_norm")]
-  if decoder:
-    attn.append(("cross_attention", "layer.1.EncDecAttention", "layer.1.layer_norm"))
-  ff = f"layer.{len(attn)}"
-  table = {}
-  for ours, theirs, norm in attn:
-    for a, b, fn in (("query", "q", qkv), ("key", "k", qkv), ("value", "v", qkv), ("out", "o", out)):
-      table[(ours, a, "kernel")] = (f"{theirs}.{b}.weight",) + fn
-    table[(f"{ours}_norm", "scale")] = (f"{norm}.weight",) + vec
-  for wi in ("wi_0", "wi_1") if cfg.gated_ffn else ("wi",):
-    table[("mlp", wi, "kernel")] = (f"{ff}.DenseReluDense.{wi}.weight",) + mat
-  table[("mlp", "wo", "kernel")] = (f"{ff}.DenseReluDense.wo.weight",) + mat
-  table[("mlp_norm", "scale")] = (f"{ff}.layer_norm.weight",) + vec
-  return table
-
-
-def _get(tree, path):
-  for k in path:
-    tree = tree[k]
-  return tree
-
-
-def _put(tree, path, value):
-  for k in path[:-1]:
-    tree = tree.setdefault(k, {})
-  tree[path[-1]] = value
-
-
-def to_hf(cfg, params) -> dict:
-  """Our params -> {HF T5ForConditionalGeneration key: numpy array}; scanned layers are unstacked."""
-  params = jax.tree.map(np.asarray, params)
-  out = {"shared.weight": params["shared"]["embedding"]}
-  if not cfg.tie_embeddings:
-    out["lm_head.weight"] = params["lm_head"]["kernel"].T
-  for stack, n, decoder in (("encoder", cfg.num_layers, False), ("decoder", num_decoder_layers(cfg), True)):
-    p = params[stack]
-    out[f"{stack}.final_layer_norm.weight"] = p["final_norm"]["scale"]
-    out[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = p["relative_bias"]["table"][
-        "embedding"]
-    table = _hf_layer_map(cfg, decoder)
-    for i, layer in enumerate(layers.get_layers(p, n)):
-      for path, (key, fwd, _) in table.items():
-        out[f"{stack}.block.{i}.{key}"] = fwd(_get(layer, path))
-  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+def to_hf(cfg, params: dict) -> dict:
+  out = layers.tree_to_hf(params, _top_table(cfg))
+  for stack, n in (("encoder", cfg.num_layers), ("decoder", num_decoder_layers(cfg))):
+    table = _layer_table(cfg, stack == "decoder")
+    for i, layer in enumerate(layers.get_layers(params[stack], n)):
+      out |= layers.tree_to_hf(layer, table, f"{stack}.block.{i}.")
+  return out
 
 
 def from_hf(cfg, tensors: dict) -> dict:
-  """{HF key: array} -> our params (float `param_dtype`, scanned if cfg.scan_layers); checks every shape."""
-  tensors = {k: np.asarray(v) for k, v in tensors.items()}
-  used = set()
-
-  def take(key):
-    if key not in tensors:
-      raise ValueError(f"T5 checkpoint is missing {key!r}")
-    used.add(key)
-    return tensors[key]
-
-  shared = tensors.get("shared.weight", tensors.get("encoder.embed_tokens.weight"))
-  if shared is None:
-    raise ValueError("T5 checkpoint is missing 'shared.weight'")
-  params = {"shared": {"embedding": shared}}
-  used.update(("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
-               "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"))
-  head = tensors.get("lm_head.weight")
-  if cfg.tie_embeddings:
-    if head is not None and not np.array_equal(head, shared):
-      raise ValueError("T5 checkpoint has an lm_head.weight different from shared.weight, but the config ties "
-                       "them (tie_word_embeddings / scale_decoder_outputs)")
-    used.add("lm_head.weight")
-  else:  # transformers>=5 saves v1.1 with a tied head and no lm_head.weight
-    params["lm_head"] = {"kernel": (shared if head is None else take("lm_head.weight")).T}
-  for stack, n, decoder in (("encoder", cfg.num_layers, False), ("decoder", num_decoder_layers(cfg), True)):
-    table = _hf_layer_map(cfg, decoder)
-    per_layer = []
-    for i in range(n):
-      layer = {}
-      for path, (key, _, back) in table.items():
-        _put(layer, path, back(take(f"{stack}.block.{i}.{key}")))
-      per_layer.append(layer)
-    params[stack] = {
-        "final_norm": {"scale": take(f"{stack}.final_layer_norm.weight")},
-        "relative_bias": {"table": {"embedding": take(
-            f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")}},
-        **layers.put_layers(per_layer, cfg.scan_layers),
-    }
+  """Params from T5ForConditionalGeneration tensors. An untied config without lm_head.weight (how
+  transformers>=5 saves v1.1 models it initialised itself) takes the head from shared.weight."""
+  from lm_jax import models
+  tensors = dict(tensors)
+  if not cfg.tie_embeddings and "lm_head.weight" not in tensors and "shared.weight" in tensors:
+    tensors["lm_head.weight"] = tensors["shared.weight"]
+  if cfg.tie_embeddings and "lm_head.weight" in tensors:
+    if "shared.weight" in tensors and not np.array_equal(tensors["lm_head.weight"], tensors["shared.weight"]):
+      raise ValueError("T5 checkpoint has an lm_head.weight unlike shared.weight but its config ties them "
+                       "(tie_word_embeddings / scale_decoder_outputs)")
+    tensors.pop("lm_head.weight")
+  shapes = models.abstract_params(layers.replace(cfg, scan_layers=False))
+  table = _top_table(cfg)
+  params = layers.tree_from_hf(tensors, table, shapes)
+  used = {hf for hf, _, _ in table} | set(_IGNORED)
+  for stack, n in (("encoder", cfg.num_layers), ("decoder", num_decoder_layers(cfg))):
+    layer_table = _layer_table(cfg, stack == "decoder")
+    per_layer = [layers.tree_from_hf(tensors, layer_table, shapes[stack][f"layers_{i}"], f"{stack}.block.{i}.")
+                 for i in range(n)]
+    used |= {f"{stack}.block.{i}.{hf}" for i in range(n) for hf, _, _ in layer_table}
+    params[stack] |= layers.put_layers(per_layer, cfg.scan_layers)
   unused = sorted(set(tensors) - used)
   if unused:
-    raise ValueError(f"T5 checkpoint has tensors this config does not use: {', '.join(unused[:5])}")
-  expected = abstract_params(cfg)
-  if jax.tree.structure(expected) != jax.tree.structure(params):
-    raise ValueError("T5 checkpoint does not match the config's parameter tree")
-  dtype = layers.dtype(cfg.param_dtype)
-
-  def convert(path, want, got):
-    if want.shape != got.shape:
-      raise ValueError(f"T5 checkpoint: {jax.tree_util.keystr(path)} has shape {got.shape}, config needs "
-                       f"{want.shape}")
-    return jnp.asarray(got, dtype)
-  return jax.tree_util.tree_map_with_path(convert, expected, params)
+    raise ValueError(f"T5 checkpoint has {len(unused)} tensors the config does not use, e.g. {unused[0]!r}")
+  pdt = layers.dtype(cfg.param_dtype)
+  return jax.tree.map(lambda a: jnp.asarray(a, pdt), params)
