@@ -41,7 +41,7 @@ def parse_args(argv):
   p.add_argument("--preemptible", action="store_true", help="legacy preemptible slice")
   p.add_argument("--git", default="", help="URL[@REV] to clone on the workers instead of copying HEAD")
   p.add_argument("--python", default="3.11", help="Python version of the workers' venv")
-  p.add_argument("--workdir", default="", help="gs://... run directory shared by all workers")
+  p.add_argument("--workdir", default="", help="run directory every worker sees: gs://... or a shared mount")
   p.add_argument("--env", action="append", default=[], help="KEY=VALUE exported for the trainer")
   p.add_argument("--max-restarts", type=int, default=20, help="`up`: restarts after preemption")
   p.add_argument("--delete-after", action="store_true", help="`up`: delete the slice when done")
@@ -52,8 +52,9 @@ def parse_args(argv):
   args.main_args = main_args
   if args.spot and args.preemptible:
     p.error("--spot and --preemptible are exclusive")
-  if {"run", "up"} & set(args.actions) and not args.workdir.startswith("gs://"):
-    p.error(f"--workdir must be a gs:// path every worker can reach, got {args.workdir!r}")
+  if {"run", "up"} & set(args.actions) and not args.workdir.startswith(("gs://", "/")):
+    p.error(f"--workdir must be a gs:// path or an absolute path on a filesystem every worker mounts, "
+            f"got {args.workdir!r}")
   return args
 
 

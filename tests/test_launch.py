@@ -60,8 +60,8 @@ def test_tpu_vm_git_checkout_preemptible_stop_and_bad_workdir():
   assert "git clone https://example.com/lm_jax.git ~/lm_jax && git -C ~/lm_jax checkout v1" in lines[1]
   assert not any("scp" in l for l in lines)
   assert lines[-1] == "gcloud compute tpus tpu-vm ssh t --zone=z --worker=all '--command=kill -TERM $(cat ~/lm_jax_run.pid) || true'"
-  bad = _tpu("--name=t", "--zone=z", "--workdir=/tmp/run", "run", check=False)
-  assert bad.returncode != 0 and "--workdir must be a gs:// path" in bad.stderr
+  bad = _tpu("--name=t", "--zone=z", "--workdir=runs/x", "run", check=False)
+  assert bad.returncode != 0 and "--workdir must be a gs:// path or an absolute path" in bad.stderr
 
 
 def test_tpu_vm_remote_run_and_logs_propagate_the_exit_status(tmp_path):
