@@ -301,10 +301,20 @@ def main():
         res = run_worker(args, worker, shape)
         if res:
           runs.setdefault(worker, []).append(res)
-          print(f"  {shape:9s} {worker:9s} " + (f"{res['flops_per_s'] / 1e12:.3f} TFLOP/s" if worker == "roofline"
-                else f"{res['median_s']:.3f} s/step  cpu {res['util']:.2f}  load {res['load']:.1f}"), flush=True)
+          print(f"  {shape:9s} {worker:9s} " + progress(res, runs, args), flush=True)
     results.append((shape, runs))
   report(results, args)
+
+
+def progress(res, runs, args) -> str:
+  if "flops_per_s" in res:
+    return f"{res['flops_per_s'] / 1e12:.3f} TFLOP/s matmul"
+  line = f"{res['median_s']:.3f} s/step  {res['tokens_per_step'] / res['median_s']:.0f} tok/s"
+  if runs.get("ours") and runs.get("roofline"):
+    achieved = runs["ours"][0]["flops_per_step"] / res["median_s"]
+    peak = args.peak_tflops * 1e12 or runs["roofline"][-1]["flops_per_s"]
+    line += f"  {achieved / 1e12:.3f} TFLOP/s  MFU {achieved / peak:.1%}"
+  return line + f"  compile {res['compile_s']:.1f} s  cpu {res['util']:.2f}  load {res['load']:.1f}"
 
 
 def report(results, args):
