@@ -10,8 +10,9 @@ Initialisers follow T5X / HF: embeddings N(0, 1), q N(0, (d_model d_kv)^-1/2), k
 o N(0, (heads d_kv)^-1/2), wi N(0, d_model^-1/2), wo N(0, d_ff^-1/2), relative bias N(0, d_model^-1/2),
 untied lm_head N(0, d_model^-1/2) (T5X's fan-in init; HF's is N(0, 1)).
 
-Incremental decoding: `init_cache` runs the encoder once and allocates the decoder self-attention cache;
-`decode_step` feeds any number of new decoder tokens and returns their logits and the updated cache.
+Incremental decoding: `init_cache` runs the encoder and projects its cross-attention keys/values once, and
+allocates the decoder self-attention cache; `decode_step` feeds any number of new decoder tokens and returns
+their logits and the updated cache.
 """
 import math
 
@@ -77,7 +78,11 @@ class RelativeBias(nn.Module):
 
 
 class Block(nn.Module):
-  """One T5 layer: pre-norm self-attention, [pre-norm cross-attention], pre-norm FFN, each + residual."""
+  """One T5 layer: pre-norm self-attention, [pre-norm cross-attention], pre-norm FFN, each + residual.
+
+  cache (decoding): this layer's self-attention 'k'/'v' and the encoder's 'cross_k'/'cross_v'; returns the
+  updated self-attention part.
+  """
   cfg: ml_collections.FrozenConfigDict
   decoder: bool
   deterministic: bool = True
@@ -95,17 +100,24 @@ class Block(nn.Module):
         query_init=nn.initializers.normal((d * dh) ** -0.5), out_init=nn.initializers.normal((h * dh) ** -0.5),
         name=name, **kw)
 
-    y, cache = attention("self_attention")(norm("self_attention_norm")(x), mask=mask, bias=bias, cache=cache,
-                                           cache_index=cache_index)
+    self_cache = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+    y, self_cache = attention("self_attention")(norm("self_attention_norm")(x), mask=mask, bias=bias,
+                                                cache=self_cache, cache_index=cache_index)
     x = x + drop(y)
     if self.decoder:
-      y, _ = attention("cross_attention")(norm("cross_attention_norm")(x), encoded, mask=cross_mask)
+      y = norm("cross_attention_norm")(x)
+      if cache is None:
+        y, _ = attention("cross_attention")(y, encoded, mask=cross_mask)
+      else:  # decoding: the encoder's keys/values are in the cache; an empty context adds none
+        empty = jnp.zeros((x.shape[0], 0, x.shape[-1]), x.dtype)
+        y, _ = attention("cross_attention")(y, empty, mask=cross_mask, cache_index=0,
+                                            cache={"k": cache["cross_k"], "v": cache["cross_v"]})
       x = x + drop(y)
     y = layers.MLP(cfg.d_ff, cfg.activation, gated=cfg.gated_ffn, use_bias=False, dropout_rate=cfg.dropout_rate,
                    deterministic=self.deterministic, kernel_init=nn.initializers.normal(d ** -0.5),
                    out_init=nn.initializers.normal(cfg.d_ff ** -0.5), name="mlp", **kw)(norm("mlp_norm")(x))
     x = layers.constrain(x + drop(y), ("batch", "length", "embed"))
-    return x, cache
+    return x, self_cache
 
 
 class Stack(nn.Module):
@@ -127,6 +139,9 @@ class Stack(nn.Module):
     x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, use_mean=False, dtype=layers.dtype(cfg.dtype),
                          param_dtype=layers.dtype(cfg.param_dtype), name="final_norm")(x)
     return layers.constrain(drop(x), ("batch", "length", "embed")), cache
+
+
+_LAYER_CACHE = ("k", "v", "cross_k", "cross_v")   # per decoder layer, stacked on a leading layer axis
 
 
 class Model(nn.Module):
@@ -155,15 +170,16 @@ class Model(nn.Module):
 
   def decode(self, decoder_input_ids, decoder_attention_mask, encoded, attention_mask, *, cache=None,
              train: bool = False):
-    """-> (logits, hidden, new {'k','v'}). With a cache ({'k','v','index'}) the queries sit at index + arange(T),
-    the keys are all cache slots and decoder_attention_mask (B, slots) marks the filled ones."""
+    """-> (logits, hidden, new self-attention {'k','v'}). With a cache (see init_cache) the queries sit at
+    index + arange(T), the keys are all cache slots, decoder_attention_mask (B, slots) marks the filled ones
+    and the cross-attention uses the cached encoder keys/values (`encoded` is unused)."""
     t = decoder_input_ids.shape[1]
     x = layers.constrain(self.shared(decoder_input_ids), ("batch", "length", "embed"))
     if cache is None:
       index, kv, q_pos = None, None, jnp.arange(t)
       kv_pos = q_pos
     else:
-      index, kv, q_pos = cache["index"], {"k": cache["k"], "v": cache["v"]}, cache["index"] + jnp.arange(t)
+      index, kv, q_pos = cache["index"], {k: cache[k] for k in _LAYER_CACHE}, cache["index"] + jnp.arange(t)
       kv_pos = jnp.arange(cache["k"].shape[2])
     mask = layers.make_attention_mask(decoder_attention_mask, causal=True, q_index=q_pos[None],
                                       kv_index=kv_pos[None])
@@ -189,35 +205,33 @@ def example_batch(cfg) -> dict:
 
 
 def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
-  """Runs the encoder on batch['input_ids'/'attention_mask'] once; empty decoder self-attention cache.
+  """Runs the encoder on batch['input_ids'/'attention_mask'] once and projects its keys/values for every
+  decoder layer's cross-attention; the decoder self-attention cache starts empty.
 
-  k/v (decoder layers, B, max_length, heads, head_dim) in model.dtype, mask (B, max_length) of filled slots,
-  index = next slot, encoder_hidden (B,L,D) and encoder_mask (B,L) for the cross-attention.
+  k/v (decoder layers, B, max_length, heads, head_dim) and cross_k/cross_v (decoder layers, B, L, heads,
+  head_dim) in model.dtype, mask (B, max_length) of filled slots, index = next slot, encoder_mask (B, L).
   """
   cfg = layers.frozen(cfg)
   enc_mask = batch.get("attention_mask", jnp.ones(batch["input_ids"].shape, jnp.int32))
   encoded = Model(cfg).apply({"params": params}, batch["input_ids"], enc_mask, method=Model.encode)
-  b = encoded.shape[0]
-  zeros = jnp.zeros((num_decoder_layers(cfg), b, max_length, cfg.num_heads, layers.head_dim(cfg)),
-                    layers.dtype(cfg.dtype))
-  return {"k": zeros, "v": zeros, "mask": jnp.zeros((b, max_length), bool), "index": jnp.zeros((), jnp.int32),
-          "encoder_hidden": encoded, "encoder_mask": jnp.asarray(enc_mask)}
+  dt, n, b = layers.dtype(cfg.dtype), num_decoder_layers(cfg), encoded.shape[0]
+  kernels = [p["cross_attention"] for p in layers.get_layers(params["decoder"], n)]
+  project = lambda w: jnp.stack([jnp.einsum("bsd,dhk->bshk", encoded, p[w]["kernel"].astype(dt)) for p in kernels])
+  zeros = jnp.zeros((n, b, max_length, cfg.num_heads, layers.head_dim(cfg)), dt)
+  return {"k": zeros, "v": zeros, "cross_k": project("key"), "cross_v": project("value"),
+          "mask": jnp.zeros((b, max_length), bool), "index": jnp.zeros((), jnp.int32),
+          "encoder_mask": jnp.asarray(enc_mask)}
 
 
 def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict,
                 attention_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Appends decoder tokens input_ids (B,T) at cache['index'] -> (their logits (B,T,V), updated cache).
-  attention_mask (B,T) marks padding among the new tokens. The first call can feed a whole prefix.
-
-  The cross-attention keys/values are recomputed from cache['encoder_hidden'] each step (layers.Attention
-  has no read-only cache).
-  """
+  attention_mask (B,T) marks padding among the new tokens. The first call can feed a whole prefix."""
   index = cache["index"]
   new = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
   mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
   logits, _, kv = Model(layers.frozen(cfg)).apply(
-      {"params": params}, input_ids, mask, cache["encoder_hidden"], cache["encoder_mask"],
-      cache=cache, method=Model.decode)
+      {"params": params}, input_ids, mask, None, cache["encoder_mask"], cache=cache, method=Model.decode)
   return logits, dict(cache, **kv, mask=mask, index=index + input_ids.shape[1])
 
 
