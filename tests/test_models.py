@@ -73,12 +73,14 @@ def test_summary_counts(config, count, capsys):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(num_heads=5), "num_heads=5 does not divide model.d_model=48"),
-    (dict(activation="swish"), "unknown activation 'swish'"),
+    (dict(activation="swish"), "unknown model.activation 'swish'; known: gelu, gelu_tanh, relu"),
     (dict(family="rnn"), "unknown model.family 'rnn'"),
     (dict(d_model=0), "model.d_model must be a positive integer"),
     (dict(vocab_size=-3), "model.vocab_size must be a positive integer"),
     (dict(remat_policy="some"), "unknown model.remat_policy 'some'"),
-    (dict(dtype="float8"), "unknown dtype 'float8'"),
+    (dict(dtype="float8"), "unknown model.dtype 'float8'"),
+    (dict(param_dtype="int8"), "unknown model.param_dtype 'int8'"),
+    (dict(max_positions=0), "model.max_positions must be a positive integer"),
     (dict(dropout_rate=1.0), "model.dropout_rate must be in"),
 ])
 def test_bad_config_one_line_error(fields, message):
@@ -144,8 +146,9 @@ def test_dropout_only_in_training(bert_params):
     models.apply(m, p, batch, train=True)
 
 
-def test_gpt_kv_cache_matches_full_forward(gpt_params):
-  m, p = tiny("gpt", scan_layers=True), scanned(gpt_params)
+@pytest.mark.parametrize("scan", [False, True])
+def test_gpt_kv_cache_matches_full_forward(scan, gpt_params):
+  m, p = tiny("gpt", scan_layers=scan), scanned(gpt_params) if scan else gpt_params
   full = run(m, p, {"input_ids": IDS, "attention_mask": MASK})["logits"]
   step = jax.jit(functools.partial(models.decode_step, m))
   cache = models.init_cache(m, p, {"input_ids": IDS}, 10)
@@ -174,6 +177,17 @@ def test_gpt_packed_row_equals_documents_alone(gpt_params):
   np.testing.assert_allclose(packed[:3], first, atol=1e-5)
   unsegmented = run(m, p, {"input_ids": ids, "positions": positions})["logits"][0]
   assert np.abs(unsegmented[3:7] - alone[:4]).max() > 1e-3   # the test would notice leaking
+
+
+def test_attention_dropout_path_matches_fused_path():
+  rng = np.random.default_rng(0)
+  q, k, v = jnp.asarray(rng.normal(size=(3, 2, 5, 3, 8)), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(1, 3, 5, 5)), jnp.float32)
+  mask = layers.make_attention_mask(jnp.array([[1, 1, 1, 0, 0], [1] * 5]), causal=True, q_len=5, kv_len=5)
+  attention = jax.jit(layers.dot_product_attention, static_argnames="dropout_rate")
+  fused = attention(q, k, v, mask=mask, bias=bias)
+  explicit = attention(q, k, v, mask=mask, bias=bias, dropout_rate=1e-9, dropout_rng=jax.random.PRNGKey(2))
+  np.testing.assert_allclose(explicit, fused, atol=1e-5)   # same masking and bias; dropout: test_dropout_*
 
 
 def test_bfloat16_compute_keeps_float32_params(bert_params):

@@ -45,11 +45,10 @@ def validate(model_cfg) -> None:
   if not get("head_dim", 0) and model_cfg.d_model % model_cfg.num_heads:
     raise ValueError(f"model.num_heads={model_cfg.num_heads} does not divide model.d_model={model_cfg.d_model}; "
                      "change one or set model.head_dim")
-  layers.activation(model_cfg.activation)
-  layers.dtype(model_cfg.dtype)
-  layers.dtype(model_cfg.param_dtype)
-  if get("remat_policy", "none") not in layers.REMAT_POLICIES:
-    raise ValueError(f"unknown model.remat_policy {get('remat_policy')!r}; known: {', '.join(layers.REMAT_POLICIES)}")
+  for name, known in (("activation", layers.ACTIVATIONS), ("dtype", layers.DTYPES), ("param_dtype", layers.DTYPES),
+                      ("remat_policy", layers.REMAT_POLICIES)):
+    if get(name) not in known:
+      raise ValueError(f"unknown model.{name} {get(name)!r}; known: {', '.join(known)}")
   for name in ("dropout_rate", "attention_dropout_rate"):
     if not 0.0 <= get(name, 0.0) < 1.0:
       raise ValueError(f"model.{name} must be in [0, 1), got {get(name)!r}")
