@@ -1,10 +1,9 @@
 """Models API: init / abstract_params / logical_axes / apply / decoding, dispatched on model_cfg.family.
 
-Each family module (bert.py, gpt.py, t5.py) provides either
+Each family module (bert.py, gpt.py, t5.py) provides
   Model                 linen Module; Model(cfg)(batch, train=False) -> dict of outputs, where cfg is the
-                        model config as a FrozenConfigDict (layers.frozen), and
-  example_batch(cfg)    a tiny batch of the family's input keys, for init / eval_shape,
-or its own init / abstract_params / logical_axes / apply with the signatures below (t5.py does), and
+                        model config as a FrozenConfigDict (layers.frozen)
+  example_batch(cfg)    a tiny batch of the family's input keys, for init / eval_shape
   check_config(cfg)     (optional) family-specific checks, run after the generic ones in validate
   HEADS                 (optional) top-level param names that are task heads (summary counts them apart)
   init_cache, decode_step   (decoders) incremental decoding with an explicit KV-cache pytree
@@ -68,40 +67,28 @@ def _boxed_init(model_cfg, rng):
 def init(model_cfg, rng: jax.Array) -> dict:
   """Random params (a plain pytree of arrays in model.param_dtype)."""
   validate(model_cfg)
-  mod = family_module(model_cfg)
-  if hasattr(mod, "init"):
-    return mod.init(model_cfg, rng)
   return jax.jit(lambda r: nn.meta.unbox(_boxed_init(model_cfg, r)))(rng)
 
 
 def abstract_params(model_cfg) -> dict:
   """Param shapes and dtypes as ShapeDtypeStructs, allocating nothing."""
   validate(model_cfg)
-  mod = family_module(model_cfg)
-  if hasattr(mod, "abstract_params"):
-    return mod.abstract_params(model_cfg)
   return jax.eval_shape(lambda: nn.meta.unbox(_boxed_init(model_cfg, jax.random.PRNGKey(0))))
 
 
 def logical_axes(model_cfg) -> dict:
   """PartitionSpecs of logical axis names, same tree structure as the params."""
   validate(model_cfg)
-  mod = family_module(model_cfg)
-  if hasattr(mod, "logical_axes"):
-    return mod.logical_axes(model_cfg)
   return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(model_cfg, jax.random.PRNGKey(0))))
 
 
 def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:
   """Forward pass; dropout only when train=True (rng required then)."""
-  mod = family_module(model_cfg)
-  if hasattr(mod, "apply"):
-    return mod.apply(model_cfg, params, batch, rng=rng, train=train)
   if train and rng is None:
     raise ValueError("models.apply(train=True) needs an rng for dropout")
   cfg = layers.frozen(model_cfg)
   rngs = {"dropout": rng} if train else {}
-  return mod.Model(cfg).apply({"params": params}, batch, train=train, rngs=rngs)
+  return family_module(cfg).Model(cfg).apply({"params": params}, batch, train=train, rngs=rngs)
 
 
 def init_cache(model_cfg, params: dict, batch: dict, max_length: int) -> dict:
