@@ -309,9 +309,9 @@ def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
   m.dropout_rate = m.attention_dropout_rate = hf.get("dropout_rate", 0.1)
   m.layer_norm_eps = hf.get("layer_norm_epsilon", 1e-6)
   m.tie_embeddings = bool(hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True)))
-  m.pad_token_id = hf.get("pad_token_id", 0)
-  m.eos_token_id = hf.get("eos_token_id", 1)
-  m.decoder_start_token_id = hf.get("decoder_start_token_id", 0)
+  for field, default in (("pad_token_id", 0), ("eos_token_id", 1), ("decoder_start_token_id", 0)):
+    value = hf.get(field)
+    m[field] = default if value is None else value[0] if isinstance(value, list) else value
   return m
 
 
