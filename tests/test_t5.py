@@ -168,13 +168,14 @@ def test_bfloat16_compute_tracks_float32():
 
 
 @pytest.mark.parametrize("fields,match", [
-    ({"num_heads": 3, "head_dim": 0}, "num_heads=3 does not divide model.d_model=40"),
-    ({"activation": "swish"}, "unknown activation"),
+    ({"num_heads": 3, "head_dim": 0}, "num_heads"),
+    ({"activation": "swish"}, "activation 'swish'"),
     ({"relative_attention_num_buckets": 2}, "relative_attention_num_buckets"),
     ({"relative_attention_max_distance": 4}, "relative_attention_max_distance")])
 def test_impossible_config_fails_clearly(fields, match):
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises(ValueError, match=match) as error:
     models.abstract_params(tiny(False, False, **fields))
+  assert "\n" not in str(error.value)
 
 
 def test_hf_config_rejects_what_transformers_cannot_express():
