@@ -9,7 +9,9 @@ import glob
 import json
 import os
 
-from safetensors.numpy import load_file, save_file
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from lm_jax import models
 
@@ -46,5 +48,12 @@ def load_hf(path: str, **overrides):
   models.validate(model_cfg)
   tensors = {}
   for file in files:
-    tensors |= load_file(file)
+    tensors |= _read_float32(file)
   return model_cfg, mod.from_hf(model_cfg, tensors)
+
+
+def _read_float32(file: str) -> dict:
+  """Tensors of one safetensors file as float32 numpy. Read through JAX because released checkpoints
+  are often bfloat16, which safetensors' numpy reader rejects."""
+  with safe_open(file, framework="flax") as f:
+    return {k: np.asarray(f.get_tensor(k)).astype(np.float32) for k in f.keys()}

@@ -139,6 +139,19 @@ def test_bert_model_checkpoint_gets_fresh_heads(tmp_path, caplog):
   close(o.last_hidden_state, run(m, p, {"input_ids": IDS, "attention_mask": MASK})["hidden"], MASK)
 
 
+def test_bfloat16_checkpoint_loads(tmp_path):
+  """Released checkpoints are often bf16; safetensors' numpy reader rejects that dtype."""
+  torch.manual_seed(0)
+  config = transformers.OpenAIGPTConfig(vocab_size=101, n_embd=48, n_layer=2, n_head=3, n_positions=32)
+  hf = transformers.OpenAIGPTLMHeadModel(config).to(torch.bfloat16).eval()
+  hf.save_pretrained(tmp_path, safe_serialization=True)
+  _, p = export.load_hf(str(tmp_path))
+  wte = hf.transformer.tokens_embed.weight.detach().float().numpy()
+  leaves = [np.asarray(x) for x in jax.tree.leaves(p)]
+  assert all(x.dtype == np.float32 for x in leaves)
+  assert any(x.shape == wte.shape and np.array_equal(x, wte) for x in leaves)
+
+
 def test_load_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json"):
     export.load_hf(str(tmp_path))
