@@ -6,11 +6,27 @@ records of an uninterrupted one (wall-clock fields such as tokens_per_sec aside)
 """
 import datetime
 import json
+import logging
 import os
 
 import jax
+from absl import logging as absl_logging
 
 WALL_CLOCK = ("tokens_per_sec", "mfu")  # fields that depend on timing, not on the computation
+
+
+class _QuietLibraries(logging.Filter):
+  """Drops orbax's and jax's INFO lines (dozens per checkpoint) so the console shows the training log;
+  their warnings and errors still print."""
+
+  def filter(self, record):
+    return record.levelno >= logging.WARNING or not any(f"/{lib}/" in record.pathname for lib in ("orbax", "jax"))
+
+
+def quiet_libraries():
+  handler = absl_logging.get_absl_handler()
+  if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
+    handler.addFilter(_QuietLibraries())
 
 
 def read(path: str) -> list[dict]:

@@ -152,6 +152,7 @@ def _to_host(metrics: list) -> list[dict]:
 def _check_finite(host_metrics: list[dict], first_step: int, mngr):
   for i, m in enumerate(host_metrics):
     if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+      mngr.wait_until_finished()
       last = mngr.latest_step()
       raise FloatingPointError(f"non-finite loss ({m['loss']}) or grad norm ({m['grad_norm']}) at step "
                                f"{first_step + i + 1}; not saved. Last good checkpoint: step {last}")
@@ -160,6 +161,7 @@ def _check_finite(host_metrics: list[dict], first_step: int, mngr):
 # ----------------------------------------------------------------------------------------------- entry points
 def _setup(config, workdir, devices=None):
   """Validated config -> (objective, tokenizer, mesh, rules, tx, lr, abstract state, state shardings)."""
+  metrics_log.quiet_libraries()
   devices = jax.devices() if devices is None else list(devices)
   validate(config, len(devices), jax.process_count())
   objective = objectives.get(config.objective, config)
@@ -232,8 +234,9 @@ def train(config, workdir: str, *, devices=None) -> dict:
         state, metrics = train_step(state, sharding.global_batch(next(train_it), batch_sh))
         pending.append(metrics)
         last = s == end
-        stop = _any_process(preemption.requested) if (s % config.log_every == 0 or jax.process_count() == 1) else False
-        if s % config.log_every == 0 or last:
+        log_now = s % config.log_every == 0 or last or s == 1  # step 1: the initial loss, right after compiling
+        stop = _any_process(preemption.requested) if (log_now or jax.process_count() == 1) else False
+        if log_now:
           host = _to_host(pending)
           _check_finite(host, window_start, mngr)
           seconds = (time.perf_counter() - t_window - paused) / len(pending)
