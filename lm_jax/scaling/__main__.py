@@ -54,17 +54,18 @@ def main(argv=None):
   s = sub.add_parser("sweep", help="train an IsoFLOP grid of tiny decoders, then fit and plot")
   s.add_argument("--workdir", required=True)
   s.add_argument("--budgets", default="1e11,3e11,1e12", help="compute budgets C in FLOPs, comma-separated")
-  s.add_argument("--sizes", default="1x32,2x48,3x64,4x96", help="LAYERSxD_MODEL,... (heads = d/16, d_ff = 4d)")
+  s.add_argument("--sizes", default="1x16,1x32,2x48,3x64,4x96", help="LAYERSxD_MODEL,... (heads = d/16, d_ff = 4d)")
   s.add_argument("--data", default=os.path.join(DATA, "wikitext-2-raw", "wiki.{split}.raw"),
                  help="text files (glob; {split} -> split name)")
   s.add_argument("--train_split", default="train")
   s.add_argument("--eval_split", default="valid")
   s.add_argument("--vocab", type=int, default=512)
   s.add_argument("--seq_len", type=int, default=128)
-  s.add_argument("--batch", type=int, default=16)
+  s.add_argument("--batch", type=int, default=4, help="sequences per step (small: tiny models need updates)")
   s.add_argument("--lr", type=float, default=2e-3)
-  s.add_argument("--eval_batches", type=int, default=8)
-  s.add_argument("--min_steps", type=int, default=20, help="skip (budget, size) pairs with fewer steps")
+  s.add_argument("--eval_batches", type=int, default=32)
+  s.add_argument("--min_steps", type=int, default=300,
+                 help="skip (budget, size) pairs with fewer steps (still on the unigram plateau)")
   s.add_argument("--bootstrap", type=int, default=0)
   args = p.parse_args(argv)
 
