@@ -1,7 +1,7 @@
 """python -m lm_jax.scaling {fit, allocate, predict, sweep}: each prints one JSON object on stdout.
 
-  fit      --runs runs.csv [--plot fit.png] [--bootstrap 200]   Hoffmann Approach 3 (+ Approach 2 when every
-                                                                IsoFLOP budget has >= 3 sizes)
+  fit      --runs runs.csv [--plot fit.png] [--bootstrap 200]   Hoffmann Approach 3 (+ Approach 2 when >= 2
+                                                                IsoFLOP budgets have >= 3 sizes)
   allocate --flops C [--law chinchilla|epoch|kaplan]            compute-optimal N, D and predicted loss
   predict  --params N --tokens D [--law ...]                    predicted loss
   sweep    --workdir DIR [--budgets ...] [--sizes ...]          train tiny decoders, write runs.csv, fit, plot

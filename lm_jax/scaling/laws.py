@@ -98,6 +98,7 @@ def kaplan_allocate(c):
 
 def allocate(c, law="chinchilla"):
   """Compute-optimal N, D and predicted loss for a FLOP budget under a named law."""
+  _check(law)
   if law == "kaplan":
     n, d = kaplan_allocate(c)
     return dict(law=law, flops=float(c), N_opt=float(n), D_opt=float(d), loss=float(kaplan_loss_nd(n, d)),
@@ -109,12 +110,18 @@ def allocate(c, law="chinchilla"):
 
 def predict(n, d, law="chinchilla"):
   """Predicted loss (nats/token) for N params trained on D tokens."""
+  _check(law)
   loss = kaplan_loss_nd(n, d) if law == "kaplan" else get_law(law).loss(n, d)
   return dict(law=law, N=float(n), D=float(d), flops=6.0 * n * d, loss=float(loss))
 
 
+def _check(law):
+  if law not in LAWS:
+    raise ValueError(f"unknown scaling law {law!r}; known: {', '.join(LAWS)}")
+
+
 def get_law(name):
-  """A Chinchilla-form preset ('kaplan' has a different form: use allocate/predict)."""
+  """A Chinchilla-form preset ('kaplan' has another form: use allocate/predict)."""
   if name not in PRESETS:
-    raise ValueError(f"unknown scaling law {name!r}; known: {', '.join(LAWS)}")
+    raise ValueError(f"no parametric preset {name!r}; known: {', '.join(PRESETS)}")
   return PRESETS[name]
