@@ -20,7 +20,7 @@ EVAL_DATA_FIELDS = ("eval_split", "eval_batches", "tfds_data_dir")
 def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), "checkpoints"), item_names=("state", "data", "config"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True))
 
 
 def _plain(config) -> dict:

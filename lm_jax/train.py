@@ -18,6 +18,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lm_jax import checkpoint, evaluate, flops, metrics_log, models, objectives, optim, sharding, step
+from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.objectives import span_corruption
 
 # Dense bf16 peak TFLOP/s per device, by substring of jax.Device.device_kind (first match wins).
@@ -72,11 +73,6 @@ def _init_state(config, tx, state_sh):
   key = jax.random.fold_in(jax.random.key(config.seed), 0)
   init = lambda k: step.init_state(models.init(config.model, k), tx)
   return jax.jit(init, out_shardings=state_sh)(key)
-
-
-def _data():
-  from lm_jax.data import pipeline, tokenizer  # noqa: heavy imports (TFDS) only when training or evaluating
-  return pipeline, tokenizer
 
 
 def _peak_flops(config, devices) -> float:
@@ -165,7 +161,6 @@ def _setup(config, workdir, devices=None):
   devices = jax.devices() if devices is None else list(devices)
   validate(config, len(devices), jax.process_count())
   objective = objectives.get(config.objective, config)
-  _, tokenizer_lib = _data()
   os.makedirs(workdir, exist_ok=True)
   tokenizer = tokenizer_lib.load_or_train(config, workdir)
   mesh = sharding.make_mesh(config, devices)
@@ -177,17 +172,15 @@ def _setup(config, workdir, devices=None):
 
 def _eval_fn(config, objective, tokenizer, mesh, params_sh):
   """params -> eval record (without step), over the cached eval batches."""
-  pipeline, _ = _data()
   it = pipeline.make_eval_iterator(config, tokenizer, process_index=jax.process_index(),
                                    process_count=jax.process_count())
   batches = list(it)
-  bytes_per_token = getattr(it, "bytes_per_token", None)
   eval_step = step.make_eval_step(config, objective, params_sh, mesh)
   batch_sh = sharding.batch_sharding(mesh)
 
   def run(params):
     out = [eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches]
-    return evaluate.summarize(jax.device_get(out), bytes_per_token)
+    return evaluate.summarize(jax.device_get(out), it.bytes_per_token)
   return run
 
 
@@ -195,7 +188,6 @@ def train(config, workdir: str, *, devices=None) -> dict:
   """Trains (or resumes) to config.phase_end_step or total_steps. Returns {'step', 'train': last train
   record, 'eval': last eval record, 'state': final train state}."""
   objective, tokenizer, mesh, rules, tx, lr, abstract, state_sh = _setup(config, workdir, devices)
-  pipeline, _ = _data()
   peak = _peak_flops(config, list(mesh.devices.flat))
   end = config.phase_end_step or config.total_steps
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
