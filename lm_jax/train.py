@@ -293,6 +293,10 @@ def export_checkpoint(config, workdir: str, export_dir: str):
   """The latest checkpoint's params as a Hugging Face directory (lm_jax.export.save_hf)."""
   from lm_jax import export
   *_, params, latest = _restore_params(config, workdir)
-  export.save_hf(config.model, jax.device_get(params), export_dir)
-  print(f"exported step {latest} to {export_dir}", flush=True)
+  if jax.process_count() > 1:  # every host holds only its shards
+    from jax.experimental import multihost_utils
+    params = multihost_utils.process_allgather(params, tiled=True)
+  if jax.process_index() == 0:
+    export.save_hf(config.model, jax.device_get(params), export_dir)
+    print(f"exported step {latest} to {export_dir}", flush=True)
   return export_dir
