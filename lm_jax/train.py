@@ -5,7 +5,6 @@ The hot loop never waits for the device: metrics stay on device and are fetched 
 (and before each checkpoint, to make sure no non-finite loss is ever saved).
 """
 import functools
-import glob
 import math
 import os
 import signal

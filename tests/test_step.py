@@ -1,7 +1,6 @@
 """Train step and optimizers: microbatch accumulation equals the full batch, dropout from fold_in(seed, step),
 paper schedules, weight-decay masks."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn

@@ -1,5 +1,6 @@
-"""The trainer end to end: each objective learns from the CLI; meshes of 8 simulated devices give the
-single-device loss with really sharded state; eval / export modes; config errors before compiling."""
+"""The trainer in-process: meshes of 8 simulated devices give the single-device loss with really sharded state,
+and a checkpoint restores onto another mesh; config errors come before compiling. Also the tiny test setup
+(values / flags / load_config) that test_cli.py and test_checkpoint.py use."""
 import importlib.util
 import json
 import os
@@ -8,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 from lm_jax import metrics_log, train
@@ -63,82 +63,6 @@ def cli(*args, env=None, timeout=900):
 def records(workdir, kind="train"):
   recs = metrics_log.read(os.path.join(workdir, "metrics.jsonl"))
   return [r for r in recs if ("loss" in r) == (kind == "train")]
-
-
-# --------------------------------------------------------------------------------------- training from the CLI
-@pytest.fixture(scope="module", params=["clm", "mlm", "span_corruption"])
-def trained(request, shared_data, tmp_path_factory):
-  """(objective, workdir) after 120 steps from the CLI."""
-  objective = request.param
-  workdir = tmp_path_factory.mktemp(objective)
-  lr = {} if objective == "span_corruption" else {"optimizer.lr": 1e-2}  # T5 keeps Adafactor's 0.01 rsqrt
-  run = cli(*flags(objective, shared_data, total_steps=120, log_every=20, eval_every=60,
-                   checkpoint_every=60, **{"optimizer.warmup_steps": 10}, **lr), f"--workdir={workdir}")
-  assert run.returncode == 0, run.stderr[-3000:]
-  return objective, workdir, run.stdout
-
-
-def test_loss_falls(trained):
-  objective, workdir, stdout = trained
-  train_recs, eval_recs = records(workdir), records(workdir, "eval")
-  assert [r["step"] for r in train_recs] == [1, 20, 40, 60, 80, 100, 120]
-  assert [r["step"] for r in eval_recs] == [60, 120]
-  first, last = train_recs[0]["loss"], train_recs[-1]["loss"]
-  assert last < first - 0.5, (objective, [r["loss"] for r in train_recs])
-  assert eval_recs[-1]["eval_loss"] < eval_recs[0]["eval_loss"]
-  for key in ("lr", "grad_norm", "tokens_per_sec", "mfu", "token_loss"):
-    assert np.isfinite(train_recs[-1][key]) and train_recs[-1][key] >= 0, key
-  accuracy = {"clm": "accuracy", "mlm": "mlm_accuracy", "span_corruption": "accuracy"}[objective]
-  assert 0 < eval_recs[-1][f"eval_{accuracy}"] <= 1
-  e = eval_recs[-1]
-  assert e["eval_perplexity"] == pytest.approx(np.exp(e["eval_token_loss"]), rel=1e-6)
-  assert 0 < e["eval_bits_per_byte"] < e["eval_token_loss"] / np.log(2)  # > 1 byte per token
-  assert "step 120/120 | loss" in stdout and "tok/s" in stdout and "mfu" in stdout
-  assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
-  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [60, 120]
-
-
-def test_eval_mode_and_rerun_when_done(trained, shared_data):
-  objective, workdir, _ = trained
-  common = flags(objective, shared_data, total_steps=120, eval_every=60)
-  run = cli(*common, f"--workdir={workdir}", "--mode=eval")
-  assert run.returncode == 0, run.stderr[-3000:]
-  evals = records(workdir, "eval")
-  assert evals[-1].keys() == evals[-2].keys() and evals[-1]["step"] == 120
-  for k, v in evals[-2].items():  # the checkpoint of step 120 evaluated again: same held-out batches
-    assert evals[-1][k] == pytest.approx(v, rel=1e-6), k
-  again = cli(*common, f"--workdir={workdir}")
-  assert again.returncode == 0 and "nothing to do" in again.stdout
-  assert len(records(workdir, "eval")) == len(evals)
-
-
-def test_checkpoint_of_another_model_is_a_one_line_error(trained, shared_data):
-  objective, workdir, _ = trained
-  run = cli(*flags(objective, shared_data, total_steps=120, **{"model.d_model": 64}), f"--workdir={workdir}")
-  assert run.returncode != 0
-  error = [line for line in run.stderr.splitlines() if line.startswith("ValueError")]
-  assert error and "model.d_model=32" in error[-1] and "model.d_model=64" in error[-1]
-
-
-def test_export_loads_in_transformers(trained, shared_data, tmp_path):
-  objective, workdir, _ = trained
-  if objective != "clm":
-    pytest.skip("one family is enough here; the models' tests cover every HF mapping")
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  out = tmp_path / "hf"
-  run = cli(*flags(objective, shared_data, total_steps=120), f"--workdir={workdir}", "--mode=export",
-            f"--export_dir={out}")
-  assert run.returncode == 0, run.stderr[-3000:]
-  hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-  from lm_jax import export, models
-  model_cfg, params = export.load_hf(str(out))
-  ids = np.arange(3, 19, dtype=np.int32)[None]
-  ours = np.asarray(models.apply(model_cfg, params, {"input_ids": ids, "attention_mask": np.ones_like(ids)})["logits"])
-  with torch.no_grad():
-    theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
-  np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-3)
-  assert float(np.abs(ours).max()) > 0
 
 
 # -------------------------------------------------------------------------------------- 8 simulated devices
