@@ -10,6 +10,7 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 # Model fields that change how the model runs, not which parameters it has: free to differ on resume.
 RUNTIME_MODEL_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "remat_policy")
@@ -18,8 +19,9 @@ EVAL_DATA_FIELDS = ("eval_split", "eval_batches", "tfds_data_dir")
 
 
 def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
+  root = workdir if "://" in workdir else os.path.abspath(workdir)  # gs://... stays as it is
   return ocp.CheckpointManager(
-      os.path.join(os.path.abspath(workdir), "checkpoints"), item_names=("state", "data", "config"),
+      epath.Path(root) / "checkpoints", item_names=("state", "data", "config"),
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True))
 
 

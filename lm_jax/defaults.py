@@ -38,8 +38,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.schedule = "linear"
   c.optimizer.clip_norm = 1.0
 
+  c.loss_z = 0.0                  # z-loss weight on log(Z)^2 (PaLM / T5X); 0 = off
+  c.label_smoothing = 0.0
+
   c.batch_size = 8
-  c.total_steps = 100            # length of the lr schedule
+  c.total_steps = 100             # length of the lr schedule
   c.phase_end_step = 0            # stop here (0 = total_steps); BERT phase 1 ends at 90% of the schedule
   c.microbatches = 1
   c.seed = 0

@@ -2,7 +2,9 @@
 console line. Only process 0 writes.
 
 On resume the file is cut back to the restored step, so an interrupted-and-resumed run leaves exactly the
-records of an uninterrupted one (wall-clock fields such as tokens_per_sec aside).
+records of an uninterrupted one (wall-clock fields such as tokens_per_sec aside). Workdirs may be remote
+(gs://...; etils.epath, TensorBoard there needs google-cloud-storage): remote files cannot be appended to,
+so they are rewritten whole.
 """
 import datetime
 import json
@@ -11,6 +13,7 @@ import os
 
 import jax
 from absl import logging as absl_logging
+from etils import epath
 
 WALL_CLOCK = ("tokens_per_sec", "mfu")  # fields that depend on timing, not on the computation
 
@@ -29,40 +32,53 @@ def quiet_libraries():
     handler.addFilter(_QuietLibraries())
 
 
-def read(path: str) -> list[dict]:
+def read(path) -> list[dict]:
   """Records of a metrics.jsonl; a torn last line (killed mid-write) is dropped."""
-  records = []
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        try:
-          records.append(json.loads(line))
-        except json.JSONDecodeError:
-          break
+  path, records = epath.Path(path), []
+  if path.exists():
+    for line in path.read_text().splitlines():
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        break
   return records
 
 
 class MetricsLog:
 
   def __init__(self, workdir: str, resume_step: int, tensorboard: bool = True):
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.path = epath.Path(workdir) / "metrics.jsonl"
+    self.remote = "://" in str(workdir)
     self.active = jax.process_index() == 0
     self.tb = None
     if not self.active:
       return
-    kept = [r for r in read(self.path) if r.get("step", 0) <= resume_step]
-    with open(self.path, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in kept)
+    self.records = [r for r in read(self.path) if r.get("step", 0) <= resume_step]
+    self._rewrite()
     if tensorboard:
       from tensorboardX import SummaryWriter
-      self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
+      self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
+
+  def _rewrite(self):
+    text = "".join(json.dumps(r) + "\n" for r in self.records)
+    if self.remote:
+      self.path.write_text(text)
+    else:  # atomic: a kill during the rewrite leaves the old file
+      tmp = f"{self.path}.tmp{os.getpid()}"
+      with open(tmp, "w") as f:
+        f.write(text)
+      os.replace(tmp, self.path)
 
   def write(self, record: dict):
     """Appends one record (must have 'step') to metrics.jsonl and TensorBoard."""
     if not self.active:
       return
-    with open(self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+    self.records.append(record)
+    if self.remote:
+      self._rewrite()
+    else:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(record) + "\n")
     if self.tb:
       for k, v in record.items():
         if k != "step":

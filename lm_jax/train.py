@@ -6,13 +6,13 @@ The hot loop never waits for the device: metrics stay on device and are fetched 
 """
 import functools
 import math
-import os
 import signal
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -140,6 +140,12 @@ def _any_process(flag: bool) -> bool:
   return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
+def _print(line: str):
+  """Console output from process 0 only (every host runs this loop)."""
+  if jax.process_index() == 0:
+    print(line, flush=True)
+
+
 def _to_host(metrics: list) -> list[dict]:
   return [{k: float(v) for k, v in m.items()} for m in jax.device_get(metrics)]
 
@@ -160,7 +166,7 @@ def _setup(config, workdir, devices=None):
   devices = jax.devices() if devices is None else list(devices)
   validate(config, len(devices), jax.process_count())
   objective = objectives.get(config.objective, config)
-  os.makedirs(workdir, exist_ok=True)
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   tokenizer = tokenizer_lib.load_or_train(config, workdir)
   mesh = sharding.make_mesh(config, devices)
   rules = sharding.rules(config)
@@ -204,10 +210,10 @@ def train(config, workdir: str, *, devices=None) -> dict:
       if not changes and len(data_state["processes"]) != jax.process_count():
         changes = [f"processes: {len(data_state['processes'])} -> {jax.process_count()}"]
       if changes:
-        print(f"resumed step {latest}; data config changed ({'; '.join(changes)}): fresh data iterator", flush=True)
+        _print(f"resumed step {latest}; data config changed ({'; '.join(changes)}): fresh data iterator")
       else:
         train_it.set_state(data_state["processes"][jax.process_index()])
-        print(f"resumed step {latest} from {mngr.directory}", flush=True)
+        _print(f"resumed step {latest} from {mngr.directory}")
     start = latest or 0
     log = metrics_log.MetricsLog(workdir, start)
     train_step = step.make_train_step(config, objective, tx, lr, state_sh, mesh)
@@ -218,7 +224,7 @@ def train(config, workdir: str, *, devices=None) -> dict:
     result = {"step": start, "train": None, "eval": None}
     pending, window_start, t_window, paused = [], start, time.perf_counter(), 0.0
     if start >= end:
-      print(f"nothing to do: checkpoint step {start} >= end step {end}", flush=True)
+      _print(f"nothing to do: checkpoint step {start} >= end step {end}")
 
     with _Preemption() as preemption:
       for s in range(start + 1, end + 1):
@@ -237,21 +243,21 @@ def train(config, workdir: str, *, devices=None) -> dict:
                     "mfu": flops_per_seq * config.batch_size / seconds / peak}
           log.write(record)
           result["train"] = record
-          print(metrics_log.console(record, end, seconds), flush=True)
+          _print(metrics_log.console(record, end, seconds))
           pending, window_start, t_window, paused = [], s, time.perf_counter(), 0.0
         t_pause = time.perf_counter()
         if run_eval and (s % config.eval_every == 0 or last):
           record = {"step": s, **run_eval(state["params"])}
           log.write(record)
           result["eval"] = record
-          print(metrics_log.console(record, end), flush=True)
+          _print(metrics_log.console(record, end))
         if s % config.checkpoint_every == 0 or last or stop:
           _check_finite(_to_host(pending), window_start, mngr)
           checkpoint.save(mngr, s, state, checkpoint.data_state(train_it), config)
         paused += time.perf_counter() - t_pause  # evals and saves do not count against throughput
         result["step"] = s
         if stop:
-          print(f"SIGTERM: saved step {s}, exiting", flush=True)
+          _print(f"SIGTERM: saved step {s}, exiting")
           break
     mngr.wait_until_finished()
     mngr.close()
@@ -281,10 +287,8 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
   objective, tokenizer, mesh, rules, params_sh, params, latest = _restore_params(config, workdir)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     record = {"step": latest, **_eval_fn(config, objective, tokenizer, mesh, params_sh)(params)}
-  if jax.process_index() == 0:
-    log = metrics_log.MetricsLog(workdir, resume_step=10**12, tensorboard=False)
-    log.write(record)
-  print(metrics_log.console(record, latest), flush=True)
+  metrics_log.MetricsLog(workdir, resume_step=10**12, tensorboard=False).write(record)  # no-op off process 0
+  _print(metrics_log.console(record, latest))
   return record
 
 
@@ -297,5 +301,5 @@ def export_checkpoint(config, workdir: str, export_dir: str):
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     export.save_hf(config.model, jax.device_get(params), export_dir)
-    print(f"exported step {latest} to {export_dir}", flush=True)
+  _print(f"exported step {latest} to {export_dir}")
   return export_dir
