@@ -45,8 +45,8 @@ def data_state(iterator) -> dict:
   return {"processes": [json.loads(bytes(r).rstrip(b"\0")) for r in rows]}
 
 
-def save(mngr, step: int, state, data_state: dict, config):
-  mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+def save(mngr, step: int, state, iterator_state: dict, config):
+  mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(iterator_state),
                                           config=ocp.args.JsonSave(_plain(config))))
 
 
