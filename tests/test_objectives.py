@@ -223,7 +223,7 @@ def test_clm_never_scores_padding(monkeypatch):
 def test_registry():
   assert {n: objectives.get(n).family for n in ("mlm", "clm", "span_corruption")} == {
       "mlm": "bert", "clm": "gpt", "span_corruption": "t5"}
-  with pytest.raises(ValueError, match="unknown objective 'prefix_lm'; known: clm, mlm, span_corruption"):
+  with pytest.raises(ValueError, match="config.objective='prefix_lm' is unknown; known: clm, mlm, span_corruption"):
     objectives.get("prefix_lm")
 
 

@@ -123,7 +123,7 @@ def test_meshes_match_single_device(shared_data, tmp_path):
 
 # ------------------------------------------------------------------------------------ config errors, early
 BAD = [  # (objective, overrides, devices, error type, message fragment)
-    ("clm", {"objective": "lm"}, 1, ValueError, "unknown objective 'lm'"),
+    ("clm", {"objective": "lm"}, 1, ValueError, "config.objective='lm' is unknown"),
     ("clm", {"objective": "mlm"}, 1, ValueError, "needs config.model.family='bert', got 'gpt'"),
     ("clm", {"data.seq_len": 512}, 1, ValueError, "config.data.seq_len=512 exceeds config.model.max_positions=128"),
     ("span_corruption", {"model.vocab_size": 100}, 1, ValueError, "no room for 100 sentinels"),

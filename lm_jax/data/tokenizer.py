@@ -14,6 +14,7 @@ import os
 import pathlib
 
 import numpy as np
+from etils import epath
 
 NUM_SENTINELS = 100
 _TRAIN_CHARS = 3_000_000      # training text sample; unigram on 1 MB takes a few seconds
@@ -203,7 +204,7 @@ def load_or_train(config, workdir: str) -> Tokenizer:
   else:
     size = spm_vocab_size(family, vocab)
     kind = config.data.tokenizer_type
-    path = pathlib.Path(workdir) / f"tokenizer_{family}_{kind}_{size}.model"
+    path = epath.Path(workdir) / f"tokenizer_{family}_{kind}_{size}.model"   # epath: gs:// workdirs too
     if not path.exists():
       from lm_jax.data import sources
       proto = train(sources.training_text(config, _TRAIN_CHARS), family=family, vocab_size=size,
@@ -211,7 +212,7 @@ def load_or_train(config, workdir: str) -> Tokenizer:
       path.parent.mkdir(parents=True, exist_ok=True)
       tmp = path.with_suffix(f".tmp{os.getpid()}")
       tmp.write_bytes(proto)
-      os.replace(tmp, path)
+      tmp.replace(path)
     tok = _sentencepiece(path.read_bytes(), family)
   need = tok.vocab_size + (NUM_SENTINELS if family == "t5" else 0)
   if vocab < need:

@@ -29,7 +29,7 @@ _REGISTRY = {"mlm": ("bert", mlm), "clm": ("gpt", clm), "span_corruption": ("t5"
 def get(name, config=None):
   """The objective called `name`; with `config`, its loss uses config.loss_z and config.label_smoothing (default 0)."""
   if name not in _REGISTRY:
-    raise ValueError(f"unknown objective {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    raise ValueError(f"config.objective={name!r} is unknown; known: {', '.join(sorted(_REGISTRY))}")
   family, module = _REGISTRY[name]
   options = {}
   if config is not None:
