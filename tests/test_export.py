@@ -42,6 +42,17 @@ def close(hf, ours, mask=None):
   np.testing.assert_allclose(ours, hf, atol=1e-4, rtol=0)
 
 
+def assert_bert_matches(hf, m, p):
+  """MLM logits, NSP logits and last hidden states of a BertForPreTraining equal ours on the padded batch."""
+  with torch.no_grad():
+    o = hf(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK), token_type_ids=torch.tensor(TYPES),
+           output_hidden_states=True)
+  ours = run(m, p, {"input_ids": IDS, "attention_mask": MASK, "token_type_ids": TYPES})
+  close(o.prediction_logits, ours["logits"], MASK)
+  close(o.seq_relationship_logits, ours["nsp_logits"])
+  close(o.hidden_states[-1], ours["hidden"], MASK)
+
+
 @functools.cache
 def random_params(family):
   """Looped params with every tensor perturbed (zero biases / unit LN scales would hide mapping bugs)."""
@@ -62,13 +73,7 @@ def test_bert_ours_to_transformers(activation, scan, tmp_path):
   export.save_hf(m, p, tmp_path)
   assert json.loads((tmp_path / "config.json").read_text())["hidden_act"] == {"gelu": "gelu", "gelu_tanh": "gelu_new"}[activation]
   hf = transformers.BertForPreTraining.from_pretrained(tmp_path, dtype=torch.float32).eval()
-  with torch.no_grad():
-    o = hf(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK), token_type_ids=torch.tensor(TYPES),
-           output_hidden_states=True)
-  ours = run(m, p, {"input_ids": IDS, "attention_mask": MASK, "token_type_ids": TYPES})
-  close(o.prediction_logits, ours["logits"], MASK)
-  close(o.seq_relationship_logits, ours["nsp_logits"])
-  close(o.hidden_states[-1], ours["hidden"], MASK)
+  assert_bert_matches(hf, m, p)
 
 
 @pytest.mark.parametrize("hidden_act,scan", [("gelu", True), ("gelu_new", False)])
@@ -83,13 +88,7 @@ def test_bert_transformers_to_ours(hidden_act, scan, tmp_path):
   hf.save_pretrained(tmp_path, safe_serialization=True)
   m, p = export.load_hf(str(tmp_path), scan_layers=scan)
   assert m.activation == {"gelu": "gelu", "gelu_new": "gelu_tanh"}[hidden_act] and ("layers" in p) == scan
-  with torch.no_grad():
-    o = hf(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK), token_type_ids=torch.tensor(TYPES),
-           output_hidden_states=True)
-  ours = run(m, p, {"input_ids": IDS, "attention_mask": MASK, "token_type_ids": TYPES})
-  close(o.prediction_logits, ours["logits"], MASK)
-  close(o.seq_relationship_logits, ours["nsp_logits"])
-  close(o.hidden_states[-1], ours["hidden"], MASK)
+  assert_bert_matches(hf, m, p)
 
 
 @pytest.mark.parametrize("scan", [False, True])
