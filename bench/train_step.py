@@ -123,20 +123,11 @@ def _timed(run_step, steps, warmup):
 
 
 def worker_roofline(args):
-  """Median of 10 jitted n^3 jnp.dot in --dtype (after 3 warm-ups) -> FLOP/s."""
+  """The trainer's own CPU peak measurement (median of 10 jitted n^3 jnp.dot in --dtype) -> FLOP/s."""
   import jax
-  import jax.numpy as jnp
-  n = args.matmul_size
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(args.dtype))
-  mm = jax.jit(jnp.dot)
-  for _ in range(3):
-    mm(a, a).block_until_ready()
-  times = []
-  for _ in range(10):
-    t = time.perf_counter()
-    mm(a, a).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return {"flops_per_s": 2 * n**3 / statistics.median(times), "device": jax.devices()[0].device_kind}
+  from lm_jax import train
+  return {"flops_per_s": train.matmul_flops_per_s(args.matmul_size, args.dtype),
+          "device": jax.devices()[0].device_kind}
 
 
 def worker_ours(args):
@@ -238,6 +229,9 @@ def worker_torch(args):
 
 def worker_main(args):
   load = os.getloadavg()[0]
+  if not args.system_malloc:
+    from lm_jax import malloc
+    malloc.keep_freed_memory()  # as the trainer's CLI does; before JAX or PyTorch start
   fn = {"roofline": worker_roofline, "ours": worker_ours, "eager": worker_torch, "compiled": worker_torch}
   result = fn[args.worker](args)
   result.update(load=load, peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
@@ -249,7 +243,7 @@ def run_worker(args, worker, shape):
   argv = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--shape", shape]
   argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
            "--matmul_size", str(args.matmul_size), "--batch", args.batch or ""]
-  argv += ["--quick"] * args.quick + [f"--set={s}" for s in args.set]
+  argv += ["--quick"] * args.quick + ["--system_malloc"] * args.system_malloc + [f"--set={s}" for s in args.set]
   env = dict(os.environ)
   with tempfile.TemporaryDirectory() as cache:
     env["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold torch.compile, as our XLA compile is
@@ -279,6 +273,8 @@ def main():
   p.add_argument("--matmul_size", type=int, default=2048, help="n of the n^3 roofline matmul")
   p.add_argument("--quick", action="store_true", help="tiny variants at seq_len/4, batch 2: smoke test")
   p.add_argument("--set", action="append", default=[], help="config override for ours, e.g. model.scan_layers=True")
+  p.add_argument("--system_malloc", action="store_true",
+                 help="glibc's default malloc in every worker instead of lm_jax.malloc.keep_freed_memory()")
   p.add_argument("--json", default="", help="also write all results to this file")
   p.add_argument("--timeout", type=int, default=3600, help="seconds per measurement subprocess")
   p.add_argument("--worker", help=argparse.SUPPRESS)

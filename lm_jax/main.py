@@ -3,8 +3,12 @@
 Every mode reads the same config, so the run that trained a model is the one that evaluates,
 exports and summarises it.
 """
-from absl import app, flags
-from ml_collections import config_flags
+from lm_jax import malloc
+
+malloc.keep_freed_memory()  # before anything starts JAX's backend
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<variant>", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")

@@ -7,6 +7,7 @@ The hot loop never waits for the device: metrics stay on device and are fetched 
 import functools
 import math
 import signal
+import statistics
 import time
 
 import jax
@@ -87,15 +88,22 @@ def _peak_flops(config, devices) -> float:
 
 @functools.cache
 def _cpu_matmul_flops() -> float:
-  x = jnp.ones((1024, 1024), jnp.float32)
-  mm = jax.jit(lambda a: a @ a)
-  mm(x).block_until_ready()
-  best = float("inf")
+  return matmul_flops_per_s()
+
+
+def matmul_flops_per_s(n: int = 2048, dtype: str = "float32", repeats: int = 10) -> float:
+  """Median rate of a jitted n^3 jnp.dot after 3 warm-ups: the CPU's MFU denominator here and the roofline
+  of bench/train_step.py (a best-of-3 at 1024^3 wobbled by +-13% between runs)."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
+  mm = jax.jit(jnp.dot)
   for _ in range(3):
+    mm(a, a).block_until_ready()
+  times = []
+  for _ in range(repeats):
     t = time.perf_counter()
-    mm(x).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return 2 * 1024**3 / best
+    mm(a, a).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * n**3 / statistics.median(times)
 
 
 def _flops_per_sequence(config) -> float:

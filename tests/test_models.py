@@ -125,6 +125,38 @@ def test_dropout_only_in_training(bert_params):
     models.apply(m, p, batch, train=True)
 
 
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_dropout_mask_statistics(rate):
+  """The hashed keep mask behaves like independent Bernoulli draws: rate within 4 sigma over 2M elements,
+  no correlation between neighbours (the two 16-bit halves of one hash word included), nor across keys,
+  nor between rows; survivors scaled so the expectation is unchanged."""
+  x = jnp.ones((64, 128, 256), jnp.float32)
+  drop = jax.jit(layers.dropout, static_argnums=1)
+  a, b = (np.asarray(drop(x, rate, jax.random.key(i))) for i in (0, 1))
+  keep_a, keep_b = (a > 0).astype(np.float64), (b > 0).astype(np.float64)
+  n, sigma = keep_a.size, np.sqrt(rate * (1 - rate) / keep_a.size)
+  assert abs(1 - keep_a.mean() - rate) < 4 * sigma
+  np.testing.assert_allclose(np.unique(a), [0.0, 1 / (1 - round(rate * 2**16) / 2**16)], rtol=1e-6)
+  assert abs(a.mean() - 1) < 4 * sigma / (1 - rate) * 1.1
+  corr = lambda u, w: np.corrcoef(u.ravel(), w.ravel())[0, 1]
+  bound = 4 / np.sqrt(n)
+  assert abs(corr(keep_a[..., 0::2], keep_a[..., 1::2])) < 2 * bound   # halves of one word
+  assert abs(corr(keep_a[..., 1:-1:2], keep_a[..., 2::2])) < 2 * bound  # across words
+  assert abs(corr(keep_a[1:], keep_a[:-1])) < bound                     # consecutive rows
+  assert abs(corr(keep_a, keep_b)) < bound                              # two keys
+  np.testing.assert_array_equal(a, np.asarray(drop(x, rate, jax.random.key(0))))  # replayable
+
+
+def test_dropout_mask_is_the_same_under_any_sharding():
+  mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+  x = jnp.ones((len(jax.devices()) * 2, 6, 10), jnp.float32)
+  drop = jax.jit(layers.dropout, static_argnums=1)
+  sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+  np.testing.assert_array_equal(drop(sharded, 0.3, jax.random.key(3)), drop(x, 0.3, jax.random.key(3)))
+  odd = drop(jnp.ones((3, 7)), 0.3, jax.random.key(3))   # odd last dim: the last word's second half unused
+  assert odd.shape == (3, 7) and 0 < int((odd == 0).sum()) < 21
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_gpt_kv_cache_matches_full_forward(scan, gpt_params):
   m, p = tiny("gpt", scan_layers=scan), scanned(gpt_params) if scan else gpt_params
@@ -158,15 +190,21 @@ def test_gpt_packed_row_equals_documents_alone(gpt_params):
   assert np.abs(unsegmented[3:7] - alone[:4]).max() > 1e-3   # the test would notice leaking
 
 
-def test_attention_dropout_path_matches_fused_path():
+def test_attention_matches_jax_reference_with_mask_bias_and_grads():
+  """Our explicit attention (always used on CPU, and for dropout) against jax.nn.dot_product_attention,
+  values and gradients, including the batch-shared bias whose gradient has a custom batch sum."""
   rng = np.random.default_rng(0)
   q, k, v = jnp.asarray(rng.normal(size=(3, 2, 5, 3, 8)), jnp.float32)
   bias = jnp.asarray(rng.normal(size=(1, 3, 5, 5)), jnp.float32)
   mask = layers.make_attention_mask(jnp.array([[1, 1, 1, 0, 0], [1] * 5]), causal=True, q_len=5, kv_len=5)
-  attention = jax.jit(layers.dot_product_attention, static_argnames="dropout_rate")
-  fused = attention(q, k, v, mask=mask, bias=bias)
-  explicit = attention(q, k, v, mask=mask, bias=bias, dropout_rate=1e-9, dropout_rng=jax.random.PRNGKey(2))
-  np.testing.assert_allclose(explicit, fused, atol=1e-5)   # same masking and bias; dropout: test_dropout_*
+  ours = lambda q, k, v, b: (layers.dot_product_attention(q, k, v, mask=mask, bias=b) ** 2).sum()
+  ref = lambda q, k, v, b: (jax.nn.dot_product_attention(q, k, v, mask=mask, bias=b) ** 2).sum()
+  np.testing.assert_allclose(ours(q, k, v, bias), ref(q, k, v, bias), rtol=1e-5)
+  for a, b in zip(jax.grad(ours, (0, 1, 2, 3))(q, k, v, bias), jax.grad(ref, (0, 1, 2, 3))(q, k, v, bias)):
+    np.testing.assert_allclose(a, b, atol=1e-4)
+  explicit = layers.dot_product_attention(q, k, v, mask=mask, bias=bias, dropout_rate=1e-9,
+                                          dropout_rng=jax.random.PRNGKey(2))
+  np.testing.assert_allclose(explicit, jax.nn.dot_product_attention(q, k, v, mask=mask, bias=bias), atol=1e-5)
 
 
 def test_bfloat16_compute_keeps_float32_params(bert_params):

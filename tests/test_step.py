@@ -1,7 +1,8 @@
 """Train step and optimizers: microbatch accumulation equals the full batch, dropout from fold_in(seed, step),
-paper schedules, weight-decay masks."""
+paper schedules, weight-decay masks, the fused Adam against optax and BERT's update rule."""
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import linen as nn
 
@@ -136,3 +137,44 @@ def test_unknown_optimizer_and_schedule():
   config.optimizer.name, config.optimizer.schedule = "adamw", "step"
   with pytest.raises(ValueError, match="config.optimizer.schedule='step'"):
     optim.make(config, models.logical_axes(config.model))
+
+
+def _adam_trajectory(tx, params, steps=4):
+  state, out = tx.init(params), []
+  for i in range(steps):
+    grads = jax.tree.map(lambda p: np.random.default_rng(i).normal(size=p.shape).astype(np.float32) * 3, params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    out.append(params)
+  return out
+
+
+@pytest.mark.parametrize("clip_norm", [0.0, 1.0, 1e3])
+def test_fused_adam_equals_optax_chain(clip_norm):
+  params = {"w": np.ones((4, 3), np.float32), "b": np.full((3,), 0.5, np.float32)}
+  mask = {"w": True, "b": False}
+  lr = optax.linear_schedule(1e-3, 1e-2, 4)
+  ours = optim.adam(lr, 0.9, 0.98, 1e-6, 0.1, mask, clip_norm)
+  ref = optax.adamw(lr, b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.1, mask=mask)
+  if clip_norm:
+    ref = optax.chain(optax.clip_by_global_norm(clip_norm), ref)
+  for a, b in zip(_adam_trajectory(ours, params), _adam_trajectory(ref, params)):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), a, b)
+
+
+def test_bert_adam_has_no_bias_correction():
+  """google-research/bert AdamWeightDecayOptimizer, written out in numpy: m, v without bias correction,
+  update m / (sqrt(v) + eps) + wd * p on decayed weights, times lr."""
+  params = {"w": np.ones((4, 3), np.float32), "b": np.full((3,), 0.5, np.float32)}
+  mask = {"w": True, "b": False}
+  got = _adam_trajectory(optim.adam(1e-2, 0.9, 0.999, 1e-6, 0.01, mask, 0.0, bias_correction=False), params)
+  p = {k: v.astype(np.float64) for k, v in params.items()}
+  m = {k: 0 * v for k, v in p.items()}
+  v2 = {k: 0 * v for k, v in p.items()}
+  for i in range(4):
+    for k in p:
+      g = np.random.default_rng(i).normal(size=p[k].shape).astype(np.float32) * 3
+      m[k] = 0.9 * m[k] + 0.1 * g
+      v2[k] = 0.999 * v2[k] + 0.001 * g * g
+      p[k] = p[k] - 1e-2 * (m[k] / (np.sqrt(v2[k]) + 1e-6) + (0.01 * p[k] if mask[k] else 0))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5), got[i], p)

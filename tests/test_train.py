@@ -84,7 +84,7 @@ MESH_SCRIPT = textwrap.dedent("""
       result = train.train(config, str(work / name), devices=jax.devices()[:int(np.prod(mesh))])
       state = result["state"]
       shards = lambda x: [list(x.sharding.spec), list(x.addressable_shards[0].data.shape)]
-      mu = state["opt_state"][1][0].mu  # clip_by_global_norm, then adamw's scale_by_adam
+      mu = state["opt_state"].mu  # optim.adam: clipping, Adam and weight decay in one state
       out[name] = dict(loss=result["train"]["loss"],
                        wi=shards(state["params"]["layers_0"]["mlp"]["wi"]["kernel"]),
                        wi_mu=shards(mu["layers_0"]["mlp"]["wi"]["kernel"]),

@@ -59,7 +59,7 @@ class Model(nn.Module):
     x += layers.Embed(cfg.type_vocab_size, cfg.d_model, (None, "embed"), embedding_init=init,
                       name="token_type_embeddings", **kw)(token_types)
     x = layers.LayerNorm(cfg.layer_norm_eps, name="embeddings_ln", **kw)(x)
-    x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+    x = layers.Dropout(cfg.dropout_rate, deterministic=not train)(x)
     x = layers.constrain(x, ("batch", "length", "embed"))
 
     mask = layers.make_attention_mask(attention_mask)

@@ -53,7 +53,7 @@ class Model(nn.Module):
     embed = layers.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="word_embeddings", **kw)
     x = embed(ids) + layers.Embed(cfg.max_positions, cfg.d_model, (None, "embed"), embedding_init=init,
                                   name="position_embeddings", **kw)(positions)
-    x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+    x = layers.Dropout(cfg.dropout_rate, deterministic=not train)(x)
     x = layers.constrain(x, ("batch", "length", "embed"))
     x, layer_cache = layers.stack(layers.PostLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
                                   cfg=cfg, deterministic=not train, kernel_init=init)(x, layer_cache, mask, index)

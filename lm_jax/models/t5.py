@@ -93,7 +93,7 @@ class Block(nn.Module):
     d, h, dh = cfg.d_model, cfg.num_heads, layers.head_dim(cfg)
     kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
     norm = lambda name: layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, use_mean=False, name=name, **kw)
-    drop = lambda y: nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)(y)
+    drop = lambda y: layers.Dropout(cfg.dropout_rate, deterministic=self.deterministic)(y)
     attention = lambda name: layers.Attention(
         h, dh, use_bias=False, scale_logits=False, dropout_rate=cfg.attention_dropout_rate,
         deterministic=self.deterministic, kernel_init=nn.initializers.normal(d ** -0.5),
@@ -129,7 +129,7 @@ class Stack(nn.Module):
   def __call__(self, x, mask, q_pos, kv_pos, encoded=None, cross_mask=None, cache=None, cache_index=None, *,
                deterministic: bool = True):
     cfg = self.cfg
-    drop = lambda y: nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(y)
+    drop = lambda y: layers.Dropout(cfg.dropout_rate, deterministic=deterministic)(y)
     bias = RelativeBias(cfg, bidirectional=not self.decoder, name="relative_bias")(q_pos, kv_pos)
     n = num_decoder_layers(cfg) if self.decoder else cfg.num_layers
     run = layers.stack(Block, n, scan=cfg.scan_layers, remat=cfg.remat_policy, cfg=cfg, decoder=self.decoder,
