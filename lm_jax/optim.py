@@ -7,9 +7,8 @@ The papers' recipes (REFERENCE.md §1.2, §2, §3.3):
               decoupled decay (lr * l2 * param) on weights of rank > 1.
   adafactor   T5: factored second moments, update clipping 1.0, decay 0.8, parameter-scaled steps.
   adamw       generic AdamW, decay on weights of rank > 1.
-The Adam family is one fused transformation (adam below), not optax's chain of clip, scale_by_adam,
-add_decayed_weights and scale_by_learning_rate: each link is its own pass over every parameter-sized array,
-and on a CPU those passes cost 10% of a BERT-base step (bench/train_step.py).
+The Adam family is written out (adam below) rather than chained from optax because optax's Adam always
+applies bias correction and BERT's does not; for the others it equals the optax chain (tests/test_step.py).
 "Rank" ignores the stacked 'layers' axis of scanned models, so LayerNorm scales are vectors with or
 without `scan_layers`; params named 'bias' are never decayed. For BERT that is exactly "not LayerNorm,
 not bias", for GPT-1 exactly "rank > 1" of the original code.
@@ -58,9 +57,9 @@ class AdamState(NamedTuple):
 
 def adam(lr, b1: float, b2: float, eps: float, weight_decay: float, decay_mask, clip_norm: float = 0.0,
          bias_correction: bool = True) -> optax.GradientTransformation:
-  """Global-norm clipping + Adam + decoupled weight decay on decay_mask's leaves, as one expression per
-  parameter that XLA fuses into a single pass. Equals optax.chain(clip_by_global_norm(clip_norm),
-  adamw(lr, b1, b2, eps, weight_decay, mask=decay_mask)); bias_correction=False is BERT's optimizer."""
+  """Global-norm clipping + Adam + decoupled weight decay on decay_mask's leaves, one expression per
+  parameter. Equals optax.chain(clip_by_global_norm(clip_norm), adamw(lr, b1, b2, eps, weight_decay,
+  mask=decay_mask)); bias_correction=False is BERT's AdamWeightDecayOptimizer."""
   def init(params):
     zeros = lambda p: jnp.zeros_like(p)
     return AdamState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params), jax.tree.map(zeros, params))
