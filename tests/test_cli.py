@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 
-from test_train import cli, flags, records
+from lm_jax import flops, train
+from test_train import cli, flags, load_config, records
+
+PEAK_TFLOPS = 0.05   # fixed, so the logged MFU can be checked against the FLOP count exactly
 
 
 @pytest.fixture(scope="module", params=["clm", "mlm", "span_corruption"])
@@ -12,14 +15,15 @@ def trained(request, shared_data, tmp_path_factory):
   objective = request.param
   workdir = tmp_path_factory.mktemp(objective)
   lr = {} if objective == "span_corruption" else {"optimizer.lr": 1e-2}  # T5 keeps Adafactor's 0.01 rsqrt
-  run = cli(*flags(objective, shared_data, total_steps=120, log_every=20, eval_every=60,
-                   checkpoint_every=60, **{"optimizer.warmup_steps": 10}, **lr), f"--workdir={workdir}")
+  overrides = dict(total_steps=120, log_every=20, eval_every=60, checkpoint_every=60, peak_tflops=PEAK_TFLOPS,
+                   **{"optimizer.warmup_steps": 10}, **lr)
+  run = cli(*flags(objective, shared_data, **overrides), f"--workdir={workdir}")
   assert run.returncode == 0, run.stderr[-3000:]
-  return objective, workdir, run.stdout
+  return objective, workdir, run.stdout, load_config(objective, shared_data, **overrides)
 
 
 def test_loss_falls(trained):
-  objective, workdir, stdout = trained
+  objective, workdir, stdout, _ = trained
   train_recs, eval_recs = records(workdir), records(workdir, "eval")
   assert [r["step"] for r in train_recs] == [1, 20, 40, 60, 80, 100, 120]
   assert [r["step"] for r in eval_recs] == [60, 120]
@@ -35,11 +39,30 @@ def test_loss_falls(trained):
   assert 0 < e["eval_bits_per_byte"] < e["eval_token_loss"] / np.log(2)  # > 1 byte per token
   assert "step 120/120 | loss" in stdout and "tok/s" in stdout and "mfu" in stdout
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_logged_mfu_is_the_benchmarks_flop_count(trained):
+  """metrics.jsonl's mfu = bench/train_step.py's FLOP count (train._flops_per_sequence, the exact matmul
+  count with the objective's target length / masked positions) per second / peak."""
+  _, workdir, _, config = trained
+  per_sequence = train._flops_per_sequence(config)
+  assert per_sequence == flops.train_flops_per_sequence(config.model, config.data.seq_len, *_extra(config))
+  for r in records(workdir)[1:]:
+    sequences_per_sec = r["tokens_per_sec"] / train._tokens_per_sequence(config)
+    assert r["mfu"] == pytest.approx(sequences_per_sec * per_sequence / (PEAK_TFLOPS * 1e12), rel=1e-6)
+
+
+def _extra(config):
+  """(target_len, num_predictions) as the objective defines them."""
+  from lm_jax.objectives import span_corruption
+  if config.objective == "span_corruption":
+    return span_corruption.target_len(config), 0
+  return 0, config.data.max_predictions_per_seq if config.objective == "mlm" else 0
   assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [60, 120]
 
 
 def test_eval_mode_and_rerun_when_done(trained, shared_data):
-  objective, workdir, _ = trained
+  objective, workdir, *_ = trained
   common = flags(objective, shared_data, total_steps=120, eval_every=60)
   run = cli(*common, f"--workdir={workdir}", "--mode=eval")
   assert run.returncode == 0, run.stderr[-3000:]
@@ -53,7 +76,7 @@ def test_eval_mode_and_rerun_when_done(trained, shared_data):
 
 
 def test_checkpoint_of_another_model_is_a_one_line_error(trained, shared_data):
-  objective, workdir, _ = trained
+  objective, workdir, *_ = trained
   run = cli(*flags(objective, shared_data, total_steps=120, **{"model.d_model": 64}), f"--workdir={workdir}")
   assert run.returncode != 0
   error = [line for line in run.stderr.splitlines() if line.startswith("ValueError")]
@@ -61,7 +84,7 @@ def test_checkpoint_of_another_model_is_a_one_line_error(trained, shared_data):
 
 
 def test_export_loads_in_transformers(trained, shared_data, tmp_path):
-  objective, workdir, _ = trained
+  objective, workdir, *_ = trained
   if objective != "clm":
     pytest.skip("one family is enough here; the models' tests cover every HF mapping")
   torch = pytest.importorskip("torch")
