@@ -1,4 +1,4 @@
-"""Optimizers and learning-rate schedules from `config.optimizer`, built from optax pieces.
+"""Optimizers and learning-rate schedules from `config.optimizer` (optax, plus one written-out Adam).
 
 The papers' recipes (REFERENCE.md §1.2, §2, §3.3):
   bert_adamw  Adam + decoupled weight decay (lr * wd * param) skipped for LayerNorm and biases, eps 1e-6,
@@ -61,8 +61,8 @@ def adam(lr, b1: float, b2: float, eps: float, weight_decay: float, decay_mask, 
   parameter. Equals optax.chain(clip_by_global_norm(clip_norm), adamw(lr, b1, b2, eps, weight_decay,
   mask=decay_mask)); bias_correction=False is BERT's AdamWeightDecayOptimizer."""
   def init(params):
-    zeros = lambda p: jnp.zeros_like(p)
-    return AdamState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params), jax.tree.map(zeros, params))
+    return AdamState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, params),
+                     jax.tree.map(jnp.zeros_like, params))
 
   def update(grads, state, params):
     count = state.count + 1

@@ -83,14 +83,10 @@ def _peak_flops(config, devices) -> float:
   for name, tflops in PEAK_TFLOPS:
     if name in kind:
       return tflops * 1e12 * len(devices)
-  return _cpu_matmul_flops()  # CPU devices share the host's cores: one measurement is the whole machine
+  return matmul_flops_per_s()  # CPU devices share the host's cores: one measurement is the whole machine
 
 
 @functools.cache
-def _cpu_matmul_flops() -> float:
-  return matmul_flops_per_s()
-
-
 def matmul_flops_per_s(n: int = 2048, dtype: str = "float32", repeats: int = 10) -> float:
   """Median rate of a jitted n^3 jnp.dot after 3 warm-ups: the CPU's MFU denominator here and the roofline
   of bench/train_step.py (a best-of-3 at 1024^3 wobbled by +-13% between runs)."""
