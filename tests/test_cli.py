@@ -39,6 +39,7 @@ def test_loss_falls(trained):
   assert 0 < e["eval_bits_per_byte"] < e["eval_token_loss"] / np.log(2)  # > 1 byte per token
   assert "step 120/120 | loss" in stdout and "tok/s" in stdout and "mfu" in stdout
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [60, 120]
 
 
 def test_logged_mfu_is_the_benchmarks_flop_count(trained):
@@ -58,7 +59,6 @@ def _extra(config):
   if config.objective == "span_corruption":
     return span_corruption.target_len(config), 0
   return 0, config.data.max_predictions_per_seq if config.objective == "mlm" else 0
-  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [60, 120]
 
 
 def test_eval_mode_and_rerun_when_done(trained, shared_data):

@@ -1,5 +1,5 @@
 """Train step and optimizers: microbatch accumulation equals the full batch, dropout from fold_in(seed, step),
-paper schedules, weight-decay masks, the fused Adam against optax and BERT's update rule."""
+paper schedules, weight-decay masks, the written-out Adam against optax and BERT's update rule."""
 import jax
 import numpy as np
 import optax
@@ -150,7 +150,7 @@ def _adam_trajectory(tx, params, steps=4):
 
 
 @pytest.mark.parametrize("clip_norm", [0.0, 1.0, 1e3])
-def test_fused_adam_equals_optax_chain(clip_norm):
+def test_adam_equals_optax_chain(clip_norm):
   params = {"w": np.ones((4, 3), np.float32), "b": np.full((3,), 0.5, np.float32)}
   mask = {"w": True, "b": False}
   lr = optax.linear_schedule(1e-3, 1e-2, 4)
