@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from lm_jax import flops, train
+from lm_jax import flops, objectives
 from test_train import cli, flags, load_config, records
 
 PEAK_TFLOPS = 0.05   # fixed, so the logged MFU can be checked against the FLOP count exactly
@@ -43,13 +43,14 @@ def test_loss_falls(trained):
 
 
 def test_logged_mfu_is_the_benchmarks_flop_count(trained):
-  """metrics.jsonl's mfu = bench/train_step.py's FLOP count (train._flops_per_sequence, the exact matmul
-  count with the objective's target length / masked positions) per second / peak."""
+  """metrics.jsonl's mfu = bench/train_step.py's FLOP count (the objective's flops_per_example, the exact matmul
+  count with its target length / masked positions) per second / peak."""
   _, workdir, _, config = trained
-  per_sequence = train._flops_per_sequence(config)
+  objective = objectives.get(config.objective)
+  per_sequence = objective.flops_per_example(config)
   assert per_sequence == flops.train_flops_per_sequence(config.model, config.data.seq_len, *_extra(config))
   for r in records(workdir)[1:]:
-    sequences_per_sec = r["tokens_per_sec"] / train._tokens_per_sequence(config)
+    sequences_per_sec = r["tokens_per_sec"] / objective.tokens_per_example(config)
     assert r["mfu"] == pytest.approx(sequences_per_sec * per_sequence / (PEAK_TFLOPS * 1e12), rel=1e-6)
 
 

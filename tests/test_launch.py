@@ -256,15 +256,14 @@ import json, sys
 import jax
 from flax import linen as nn
 sys.path.insert(0, "configs")
-from lm_jax import models, optim, sharding, train
+from lm_jax import sharding, train
 out = {}
 for name, variant, mesh in (("gpt1", "tiny", (2, 2, 2)), ("t5", "tiny", (1, 4, 2)), ("gpt1", "tiny", (1, 8, 1))):
   config = __import__(name).get_config(variant)
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
   m = sharding.make_mesh(config)
-  tx, _ = optim.make(config, models.logical_axes(config.model))
-  _, state_sh = train._state_sharding(config, tx, m, sharding.rules(config))
-  state = train._init_state(config, tx, state_sh)
+  tx, _, _, state_sh = train.state_layout(config, m, sharding.rules(config))
+  state = train.init_state(config, tx, state_sh)
   dev = jax.devices()[0]
   per_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
                                 if s.device == dev)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from lm_jax import metrics_log, train
+from lm_jax import config_lib, metrics_log, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = {"clm": "gpt1.py:tiny", "mlm": "bert.py:tiny", "span_corruption": "t5.py:tiny"}
@@ -154,12 +154,12 @@ def test_bad_config_fails_before_compiling(objective, overrides, devices, error,
                                            monkeypatch):
   def compiled(*args, **kwargs):
     raise AssertionError("reached the compile step")
-  monkeypatch.setattr(train, "_init_state", compiled)
+  monkeypatch.setattr(train, "init_state", compiled)
   monkeypatch.setattr(train.step, "make_train_step", compiled)
   config = load_config(objective, shared_data, **overrides)
   with pytest.raises(error) as info:
     if devices == 1:
       train.train(config, str(tmp_path))
     else:
-      train.validate(config, num_devices=devices)
+      config_lib.validate(config, num_devices=devices)
   assert message in str(info.value) and "\n" not in str(info.value)
