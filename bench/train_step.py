@@ -133,15 +133,15 @@ def worker_roofline(args):
 def worker_ours(args):
   import jax
   from flax import linen as nn
-  from lm_jax import config_lib, models, objectives, sharding, step, train
+  from lm_jax import config_lib, models, objectives, sharding, step
   config = load_config(args.shape, args)
   devices = jax.devices()
   config_lib.validate(config, len(devices))
   objective = objectives.get(config.objective)
   mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
-  tx, lr, _, state_sh = train.state_layout(config, mesh, rules)
+  tx, lr, _, state_sh = step.state_layout(config, mesh, rules)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    state = train.init_state(config, tx, state_sh)
+    state = step.fresh_state(config, tx, state_sh)
     train_step = step.make_train_step(config, objective, tx, lr, state_sh, mesh)
     batch = sharding.global_batch(synthetic_batch(config), sharding.batch_sharding(mesh))
     t0 = time.perf_counter()

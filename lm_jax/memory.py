@@ -32,7 +32,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AbstractMesh
 
-from lm_jax import models, objectives, optim, sharding, step
+from lm_jax import models, objectives, sharding, step
 from lm_jax.models import layers, t5
 
 GiB = 2**30
@@ -142,12 +142,9 @@ def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
   rules = sharding.rules(config)
 
   abstract_params = models.abstract_params(config.model)
-  logical = models.logical_axes(config.model)
-  params_sh = sharding.logical_to_sharding(logical, abstract_mesh, rules)
-  sharding.check_divisible(abstract_params, logical, sizes, rules)
-  tx, _ = optim.make(config, logical)
-  abstract_opt = jax.eval_shape(lambda p: step.init_state(p, tx), abstract_params)["opt_state"]
-  opt_sh = sharding.opt_state_sharding(abstract_opt, abstract_params, params_sh, abstract_mesh)
+  sharding.check_divisible(abstract_params, models.logical_axes(config.model), sizes, rules)
+  _, _, abstract, state_sh = step.state_layout(config, abstract_mesh, rules)
+  params_sh, abstract_opt, opt_sh = state_sh["params"], abstract["opt_state"], state_sh["opt_state"]
 
   param_elems = sum(math.prod(s.shard_shape(a.shape))
                     for a, s in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(params_sh)))

@@ -9,11 +9,28 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import sharding
+from lm_jax import models, optim, sharding
 
 
 def init_state(params, tx) -> dict:
   return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def state_layout(config, mesh, rules):
+  """(optimizer, lr schedule, abstract train state, its shardings on `mesh`), allocating nothing."""
+  tx, lr = optim.make(config, models.logical_axes(config.model))
+  abstract_params = models.abstract_params(config.model)
+  params_sh = sharding.logical_to_sharding(models.logical_axes(config.model), mesh, rules)
+  abstract = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
+  opt_sh = sharding.opt_state_sharding(abstract["opt_state"], abstract_params, params_sh, mesh)
+  return tx, lr, abstract, {"params": params_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
+
+
+def fresh_state(config, tx, state_sharding) -> dict:
+  """Fresh train state, initialised directly into its shardings."""
+  key = jax.random.fold_in(jax.random.key(config.seed), 0)
+  init = lambda k: init_state(models.init(config.model, k), tx)
+  return jax.jit(init, out_shardings=state_sharding)(key)
 
 
 def _split(batch, n, mesh):

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 from etils import epath
 from flax import linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
-from lm_jax import checkpoint, config_lib, evaluate, hardware, metrics_log, models, objectives, optim, sharding, step
+from lm_jax import checkpoint, config_lib, evaluate, hardware, metrics_log, objectives, sharding, step
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 
 
@@ -34,23 +34,6 @@ class Setup:
   state_sharding: dict       # their NamedShardings on `mesh`
 
 
-def state_layout(config, mesh, rules):
-  """(optimizer, lr schedule, abstract train state, its shardings on `mesh`), allocating nothing."""
-  tx, lr = optim.make(config, models.logical_axes(config.model))
-  abstract_params = models.abstract_params(config.model)
-  params_sh = sharding.logical_to_sharding(models.logical_axes(config.model), mesh, rules)
-  abstract = jax.eval_shape(lambda p: step.init_state(p, tx), abstract_params)
-  opt_sh = sharding.opt_state_sharding(abstract["opt_state"], abstract_params, params_sh, mesh)
-  return tx, lr, abstract, {"params": params_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
-
-
-def init_state(config, tx, state_sharding) -> dict:
-  """Fresh train state, initialised directly into its shardings."""
-  key = jax.random.fold_in(jax.random.key(config.seed), 0)
-  init = lambda k: step.init_state(models.init(config.model, k), tx)
-  return jax.jit(init, out_shardings=state_sharding)(key)
-
-
 def setup(config, workdir: str, devices=None) -> Setup:
   """Validates the config (one-line errors before anything is built), then builds the run's parts."""
   metrics_log.quiet_libraries()
@@ -59,7 +42,7 @@ def setup(config, workdir: str, devices=None) -> Setup:
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   tokenizer = tokenizer_lib.load_or_train(config, workdir)
   mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
-  tx, lr, abstract, state_sh = state_layout(config, mesh, rules)
+  tx, lr, abstract, state_sh = step.state_layout(config, mesh, rules)
   return Setup(config, objectives.get(config.objective), tokenizer, mesh, rules, tx, lr, abstract, state_sh)
 
 
@@ -92,7 +75,7 @@ def _init_or_restore(s: Setup, mngr, train_it):
   """(state, start step): the latest checkpoint with its data position, or a fresh state at step 0."""
   latest = mngr.latest_step()
   if latest is None:
-    return init_state(s.config, s.tx, s.state_sharding), 0
+    return step.fresh_state(s.config, s.tx, s.state_sharding), 0
   saved = checkpoint.saved_config(mngr, latest)
   checkpoint.check_model(saved, s.config, mngr.directory)
   changes = checkpoint.data_changes(saved, s.config)

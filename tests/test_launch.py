@@ -256,14 +256,14 @@ import json, sys
 import jax
 from flax import linen as nn
 sys.path.insert(0, "configs")
-from lm_jax import sharding, train
+from lm_jax import sharding, step
 out = {}
 for name, variant, mesh in (("gpt1", "tiny", (2, 2, 2)), ("t5", "tiny", (1, 4, 2)), ("gpt1", "tiny", (1, 8, 1))):
   config = __import__(name).get_config(variant)
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
   m = sharding.make_mesh(config)
-  tx, _, _, state_sh = train.state_layout(config, m, sharding.rules(config))
-  state = train.init_state(config, tx, state_sh)
+  tx, _, _, state_sh = step.state_layout(config, m, sharding.rules(config))
+  state = step.fresh_state(config, tx, state_sh)
   dev = jax.devices()[0]
   per_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
                                 if s.device == dev)

@@ -154,7 +154,7 @@ def test_bad_config_fails_before_compiling(objective, overrides, devices, error,
                                            monkeypatch):
   def compiled(*args, **kwargs):
     raise AssertionError("reached the compile step")
-  monkeypatch.setattr(train, "init_state", compiled)
+  monkeypatch.setattr(train.step, "fresh_state", compiled)
   monkeypatch.setattr(train.step, "make_train_step", compiled)
   config = load_config(objective, shared_data, **overrides)
   with pytest.raises(error) as info:
