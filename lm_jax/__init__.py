@@ -1,1 +1,16 @@
-"""lm_jax: BERT, GPT-1 and T5 pre-training, fine-tuning and export in pure JAX."""
+"""lm_jax: pre-train, evaluate and export BERT-, GPT-1- and T5-style language models in pure JAX.
+
+Data flows config -> batch -> step -> checkpoint:
+  main.py         the CLI (--mode=train|eval|export|summary); config_lib.py loads and validates configs
+  train.py        the trainer: setup, init or restore, the loop with its log / eval / checkpoint schedules
+  step.py         the train state and the one jitted, mesh-sharded train / eval step for every objective
+  objectives/     one file per objective (mlm, clm, span_corruption): rows, transform, loss, counts, checks
+  data/           sources (TFDS, files), tokenizers, row layouts, and the host-count-independent pipeline
+  models/         architecture only: shared layers + bert.py, gpt.py, t5.py (linen, applied functionally)
+  hf/             Hugging Face conversion per family and export / import of checkpoint directories
+  sharding.py     the mesh and logical-axis rules; checkpoint.py orbax save / restore / resume
+  optim.py        the papers' optimizers and schedules; evaluate.py held-out metrics; metrics_log.py logs
+  flops.py, hardware.py, memory.py, summary.py   FLOP counts, peak FLOP/s, memory estimates, param tables
+  distributed.py  multi-host initialisation (local processes, SLURM, TPU VMs); malloc.py host allocator setup
+  scaling/        Kaplan / Chinchilla laws: predict, fit, allocate, sweep, plot
+"""
