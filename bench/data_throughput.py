@@ -35,11 +35,6 @@ CASES = [  # name, config, pipeline batches to time, train-step batch
 ]
 
 
-def _tokens_per_example(config):
-  extra = pipeline.target_length(config) if config.objective == "span_corruption" else 0
-  return config.data.seq_len + extra
-
-
 def _tokenizer(config, workdir):
   """The real BERT uncased WordPiece vocab (all-MiniLM-L6-v2's) when installed; else SentencePiece."""
   if config.model.family == "bert":
@@ -52,18 +47,19 @@ def _tokenizer(config, workdir):
 
 
 def pipeline_rate(config, tok, batches):
-  it = pipeline.make_train_iterator(config, tok, prefetch=0)
+  objective = objectives.get(config.objective)
+  it = pipeline.make_train_iterator(config, tok, objective, prefetch=0)
   start = time.perf_counter()
   for _ in range(batches):
     next(it)
   seconds = time.perf_counter() - start
-  return batches * config.batch_size * _tokens_per_example(config) / seconds, it
+  return batches * config.batch_size * objective.tokens_per_example(config) / seconds, it
 
 
 def train_step_rate(config, batch, steps):
   mesh = sharding.make_mesh(config, jax.devices()[:1])
   rules = sharding.rules(config)
-  objective = objectives.get(config.objective, config)
+  objective = objectives.get(config.objective)
   tx, lr = optim.make(config, models.logical_axes(config.model))
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     state = step.init_state(models.init(config.model, jax.random.key(0)), tx)
@@ -79,7 +75,7 @@ def train_step_rate(config, batch, steps):
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - start)
   rows = len(next(iter(batch.values())))
-  return rows * _tokens_per_example(config) / float(np.median(times)), times
+  return rows * objectives.get(config.objective).tokens_per_example(config) / float(np.median(times)), times
 
 
 def main():
@@ -104,7 +100,7 @@ def main():
     step_rate, times = train_step_rate(config, small, args.steps)
     worst = min(worst, rate / step_rate)
     print(f"{name:30s} {rate:15,.0f} {step_rate:17,.1f} {rate / step_rate:7,.0f}x   "
-          f"(step {np.median(times):.2f} s for {step_batch} x {_tokens_per_example(config)} tokens)", flush=True)
+          f"(step {np.median(times):.2f} s for {step_batch} x {objectives.get(config.objective).tokens_per_example(config)} tokens)", flush=True)
   print(f"load average at end {os.getloadavg()[0]:.1f}; slowest ratio {worst:,.0f}x "
         f"({'OK' if worst >= 10 else 'FAIL'}: must be >= 10x)")
 

@@ -52,7 +52,7 @@ def load_config(shape, args):
   spec.loader.exec_module(module)
   config = module.get_config(QUICK[file] if args.quick else variant)
   config.data.seq_len = seq_len // 4 if args.quick else seq_len
-  if config.objective == "mlm":  # BERT's create_pretraining_data: round(0.15 * seq_len), 20 at 128
+  if config.model.family == "bert":  # BERT's create_pretraining_data: round(0.15 * seq_len), 20 at 128
     config.data.max_predictions_per_seq = max(1, round(0.15 * config.data.seq_len))
   if config.optimizer.name == "adafactor":  # the peer's AdamW, so both sides do the same optimizer work
     config.optimizer.name, config.optimizer.weight_decay, config.optimizer.clip_norm = "adamw", 0.01, 1.0
@@ -125,24 +125,23 @@ def _timed(run_step, steps, warmup):
 def worker_roofline(args):
   """The trainer's own CPU peak measurement (median of 10 jitted n^3 jnp.dot in --dtype) -> FLOP/s."""
   import jax
-  from lm_jax import train
-  return {"flops_per_s": train.matmul_flops_per_s(args.matmul_size, args.dtype),
+  from lm_jax import hardware
+  return {"flops_per_s": hardware.matmul_flops_per_s(args.matmul_size, args.dtype),
           "device": jax.devices()[0].device_kind}
 
 
 def worker_ours(args):
   import jax
   from flax import linen as nn
-  from lm_jax import models, objectives, optim, sharding, step, train
+  from lm_jax import config_lib, models, objectives, sharding, step, train
   config = load_config(args.shape, args)
   devices = jax.devices()
-  train.validate(config, len(devices))
-  objective = objectives.get(config.objective, config)
+  config_lib.validate(config, len(devices))
+  objective = objectives.get(config.objective)
   mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
-  tx, lr = optim.make(config, models.logical_axes(config.model))
-  _, state_sh = train._state_sharding(config, tx, mesh, rules)
+  tx, lr, _, state_sh = train.state_layout(config, mesh, rules)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    state = train._init_state(config, tx, state_sh)
+    state = train.init_state(config, tx, state_sh)
     train_step = step.make_train_step(config, objective, tx, lr, state_sh, mesh)
     batch = sharding.global_batch(synthetic_batch(config), sharding.batch_sharding(mesh))
     t0 = time.perf_counter()
@@ -159,9 +158,9 @@ def worker_ours(args):
     first, median, util, times = _timed(run_step, args.steps, args.warmup)
   stats = devices[0].memory_stats() or {}
   return {"median_s": median, "compile_s": compile_s, "util": util, "times": times, "loss": holder["loss"],
-          "flops_per_step": train._flops_per_sequence(config) * config.batch_size,
+          "flops_per_step": objective.flops_per_example(config) * config.batch_size,
           "xla_flops_per_step": float(cost.get("flops", 0.0)),
-          "tokens_per_step": train._tokens_per_sequence(config) * config.batch_size,
+          "tokens_per_step": objective.tokens_per_example(config) * config.batch_size,
           "params": models.count(state["params"]), "device_peak_bytes": stats.get("peak_bytes_in_use", 0)}
 
 
@@ -219,10 +218,10 @@ def worker_torch(args):
     opt.zero_grad(set_to_none=True)
     holder["loss"] = float(loss)  # also waits for the device
   first, median, util, times = _timed(run_step, args.steps, args.warmup)
-  from lm_jax import train
+  from lm_jax import objectives
   return {"median_s": median, "compile_s": first - median if args.worker == "compiled" else 0.0, "util": util,
           "times": times, "loss": holder["loss"], "params": sum(p.numel() for p in params),
-          "tokens_per_step": train._tokens_per_sequence(config) * config.batch_size,
+          "tokens_per_step": objectives.get(config.objective).tokens_per_example(config) * config.batch_size,
           "attn": getattr(model.config, "_attn_implementation", "?"),
           "device_peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
 

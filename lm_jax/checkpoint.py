@@ -31,18 +31,21 @@ def _plain(config) -> dict:
 
 
 def data_state(iterator) -> dict:
-  """{'processes': [iterator state of process 0, 1, ...]}: each host reads its own shard, so every host's
-  position is gathered (orbax writes JSON from the primary host only)."""
+  """The data stream's position: every host's iterator state holds the shards it reads (orbax writes JSON from
+  the primary host only), so the states are gathered and their shards merged."""
   local = iterator.get_state()
   if jax.process_count() == 1:
-    return {"processes": [local]}
+    return local
   from jax.experimental import multihost_utils
   raw = np.frombuffer(json.dumps(local).encode(), np.uint8)
   size = int(np.max(multihost_utils.process_allgather(np.int32(raw.size))))
   padded = np.zeros(size, np.uint8)
   padded[:raw.size] = raw
-  rows = multihost_utils.process_allgather(padded)
-  return {"processes": [json.loads(bytes(r).rstrip(b"\0")) for r in rows]}
+  states = [json.loads(bytes(r).rstrip(b"\0")) for r in multihost_utils.process_allgather(padded)]
+  merged = dict(states[0], shards={})
+  for state in states:
+    merged["shards"].update(state["shards"])
+  return merged
 
 
 def save(mngr, step: int, state, iterator_state: dict, config):

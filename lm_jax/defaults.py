@@ -25,6 +25,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.noise_density = 0.15
   c.data.mean_noise_span_length = 3.0
   c.data.shuffle = True
+  c.data.shards = 1               # training stream shards; hosts split them (see lm_jax/data/pipeline.py)
   c.data.eval_batches = 8
 
   c.optimizer = ml_collections.ConfigDict()

@@ -32,8 +32,8 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AbstractMesh
 
-from lm_jax import models, optim, sharding, step
-from lm_jax.models import layers
+from lm_jax import models, objectives, optim, sharding, step
+from lm_jax.models import layers, t5
 
 GiB = 2**30
 
@@ -81,7 +81,7 @@ def _mesh_size(rules, sizes: dict, logical: str) -> int:
 def activation_bytes(config, rows: int, div: dict) -> int:
   """Analytic bytes kept for the backward pass per device (module docstring); div = devices that split
   'heads', 'mlp', 'vocab'."""
-  m, d = config.model, config.data
+  m = config.model
   c = np.dtype(layers.dtype(m.dtype)).itemsize
   D, hd = m.d_model, layers.head_dim(m)
   H = -(-m.num_heads // div["heads"])
@@ -115,18 +115,14 @@ def activation_bytes(config, rows: int, div: dict) -> int:
       total += full_tok * tokens + full_enc * enc_tokens
     return total
 
-  L = d.seq_len
-  if m.family == "t5":
-    from lm_jax.objectives import span_corruption
-    T = span_corruption.target_len(config)
-    n_dec = m.num_decoder_layers or m.num_layers
-    per_row = (stack(m.num_layers, L, L) + stack(n_dec, T, T, L, L)
-               + (3 * D * c + p * D) * (L + T) + 8 * V * T)
-  elif m.family == "bert":
-    P = d.max_predictions_per_seq if config.objective == "mlm" else L
-    per_row = stack(m.num_layers, L, L) + (3 * D * c + p * D) * L + (4 * D * c + 8 * V) * P
+  lengths = objectives.get(config.objective).lengths(config)
+  L, T = lengths.inputs, lengths.targets
+  head = 8 * V + (4 * D * c if m.family == "bert" else 0)  # BERT's MLM transform runs on scored positions only
+  per_row = (3 * D * c + p * D) * (L + T) + head * lengths.scored
+  if T:   # encoder-decoder
+    per_row += stack(m.num_layers, L, L) + stack(t5.num_decoder_layers(m), T, T, L, L)
   else:
-    per_row = stack(m.num_layers, L, L) + (3 * D * c + p * D) * L + 8 * V * L
+    per_row += stack(m.num_layers, L, L)
   return int(rows * per_row)
 
 

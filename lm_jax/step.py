@@ -27,12 +27,11 @@ def _split(batch, n, mesh):
 
 def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
   """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars."""
-  model_cfg, n = config.model, config.microbatches
+  n = config.microbatches
   seed_key = jax.random.key(config.seed)
 
   def loss_fn(params, batch, den, rng):
-    loss, metrics = objective.loss(model_cfg, params, batch, den, rng=rng, train=True)
-    return loss, metrics
+    return objective.loss(config, params, batch, den, rng=rng, train=True)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -68,7 +67,7 @@ def make_eval_step(config, objective, params_sharding, mesh):
   """Jitted (params, batch) -> metrics of that batch (loss, token_loss, accuracies), no dropout."""
   def step(params, batch):
     den = objective.denominators(batch)
-    _, metrics = objective.loss(config.model, params, batch, den, rng=None, train=False)
+    _, metrics = objective.loss(config, params, batch, den, rng=None, train=False)
     return jax.tree.map(lambda x: x.astype(jnp.float32), metrics)
 
   return jax.jit(step, in_shardings=(params_sharding, sharding.batch_sharding(mesh)),

@@ -1,129 +1,122 @@
-"""The trainer: validate the config, build mesh, tokenizer and data, init or restore the sharded state,
-run the jitted step with periodic logs, evals and checkpoints, stop cleanly on SIGTERM.
+"""The trainer: config -> setup (objective, tokenizer, mesh, optimizer, state layout) -> init or restore ->
+a loop of jitted steps with four schedules (log, eval, checkpoint, preemption) -> the final state.
 
 The hot loop never waits for the device: metrics stay on device and are fetched every log_every steps
-(and before each checkpoint, to make sure no non-finite loss is ever saved).
+(and before each checkpoint, so no non-finite loss is ever saved).
 """
-import functools
+import dataclasses
 import math
 import signal
-import statistics
 import time
+from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from lm_jax import checkpoint, evaluate, flops, metrics_log, models, objectives, optim, sharding, step
+from lm_jax import checkpoint, config_lib, evaluate, hardware, metrics_log, models, objectives, optim, sharding, step
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
-from lm_jax.objectives import span_corruption
-
-# Dense bf16 peak TFLOP/s per device, by substring of jax.Device.device_kind (first match wins).
-PEAK_TFLOPS = (("TPU v2", 22.5), ("TPU v3", 61.5), ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
-               ("TPU v5", 459.0), ("TPU v6", 918.0), ("H100", 989.0), ("H200", 989.0), ("B200", 2250.0),
-               ("A100", 312.0), ("A10G", 125.0), ("L4", 121.0), ("V100", 125.0))
 
 
-# ----------------------------------------------------------------------------------------------- config checks
-def validate(config, num_devices: int, process_count: int = 1):
-  """One-line ValueError / FileNotFoundError naming the field, before anything is built or compiled."""
-  def require(ok, message):
-    if not ok:
-      raise ValueError(message)
-
-  objectives.check(config)  # unknown objective, objective/family mismatch, seq_len vs positions, masking/noise
-  models.validate(config.model)  # sizes, heads vs d_model, activation, dtypes, remat policy, dropout
-  m, o = config.model, config.optimizer
-  require(o.name in optim.OPTIMIZERS, f"config.optimizer.name={o.name!r} unknown; use {', '.join(optim.OPTIMIZERS)}")
-  require(o.schedule in optim.SCHEDULES,
-          f"config.optimizer.schedule={o.schedule!r} unknown; use {', '.join(optim.SCHEDULES)}")
-  for field in ("total_steps", "microbatches", "log_every", "checkpoint_every", "batch_size"):
-    require(config[field] >= 1, f"config.{field} must be >= 1, got {config[field]}")
-  require(config.eval_every >= 0, f"config.eval_every must be >= 0, got {config.eval_every}")
-  require(0 <= config.phase_end_step <= config.total_steps,
-          f"config.phase_end_step={config.phase_end_step} must be in [0, total_steps={config.total_steps}] (0 = total_steps)")
-  data, fsdp, tensor = sharding.mesh_shape(config, num_devices)
-  require(m.num_heads % tensor == 0,
-          f"config.model.num_heads={m.num_heads} is not divisible by config.mesh.tensor={tensor}")
-  require(config.batch_size % process_count == 0,
-          f"config.batch_size={config.batch_size} is not divisible by the {process_count} processes")
-  shards = config.microbatches * data * fsdp
-  require(config.batch_size % shards == 0,
-          f"config.batch_size={config.batch_size} is not divisible by config.microbatches * mesh.data * mesh.fsdp "
-          f"= {config.microbatches}*{data}*{fsdp} = {shards}")
-  sharding.check_divisible(models.abstract_params(m), models.logical_axes(m),
-                           dict(zip(sharding.AXES, (data, fsdp, tensor))), sharding.rules(config))
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything a run builds from its config before the first step."""
+  config: object
+  objective: objectives.Objective
+  tokenizer: tokenizer_lib.Tokenizer
+  mesh: Mesh
+  rules: tuple
+  tx: object                 # optax.GradientTransformation
+  lr_schedule: Callable
+  abstract_state: dict       # ShapeDtypeStructs of {params, opt_state, step}
+  state_sharding: dict       # their NamedShardings on `mesh`
 
 
-# ----------------------------------------------------------------------------------------------------- setup
-def _state_sharding(config, tx, mesh, rules):
-  """(abstract train state, its shardings) for this mesh."""
+def state_layout(config, mesh, rules):
+  """(optimizer, lr schedule, abstract train state, its shardings on `mesh`), allocating nothing."""
+  tx, lr = optim.make(config, models.logical_axes(config.model))
   abstract_params = models.abstract_params(config.model)
-  logical = models.logical_axes(config.model)
-  params_sh = sharding.logical_to_sharding(logical, mesh, rules)
+  params_sh = sharding.logical_to_sharding(models.logical_axes(config.model), mesh, rules)
   abstract = jax.eval_shape(lambda p: step.init_state(p, tx), abstract_params)
   opt_sh = sharding.opt_state_sharding(abstract["opt_state"], abstract_params, params_sh, mesh)
-  return abstract, {"params": params_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
+  return tx, lr, abstract, {"params": params_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
 
 
-def _init_state(config, tx, state_sh):
+def init_state(config, tx, state_sharding) -> dict:
+  """Fresh train state, initialised directly into its shardings."""
   key = jax.random.fold_in(jax.random.key(config.seed), 0)
   init = lambda k: step.init_state(models.init(config.model, k), tx)
-  return jax.jit(init, out_shardings=state_sh)(key)
+  return jax.jit(init, out_shardings=state_sharding)(key)
 
 
-def _peak_flops(config, devices) -> float:
-  """Total peak FLOP/s of the mesh: config.peak_tflops, the device table, or on CPU a measured f32 matmul."""
-  kind = devices[0].device_kind
-  if config.peak_tflops:
-    return config.peak_tflops * 1e12 * len(devices)
-  for name, tflops in PEAK_TFLOPS:
-    if name in kind:
-      return tflops * 1e12 * len(devices)
-  return matmul_flops_per_s()  # CPU devices share the host's cores: one measurement is the whole machine
+def setup(config, workdir: str, devices=None) -> Setup:
+  """Validates the config (one-line errors before anything is built), then builds the run's parts."""
+  metrics_log.quiet_libraries()
+  devices = jax.devices() if devices is None else list(devices)
+  config_lib.validate(config, len(devices), jax.process_count())
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+  tokenizer = tokenizer_lib.load_or_train(config, workdir)
+  mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
+  tx, lr, abstract, state_sh = state_layout(config, mesh, rules)
+  return Setup(config, objectives.get(config.objective), tokenizer, mesh, rules, tx, lr, abstract, state_sh)
 
 
-@functools.cache
-def matmul_flops_per_s(n: int = 2048, dtype: str = "float32", repeats: int = 10) -> float:
-  """Median rate of a jitted n^3 jnp.dot after 3 warm-ups: the CPU's MFU denominator here and the roofline
-  of bench/train_step.py (a best-of-3 at 1024^3 wobbled by +-13% between runs)."""
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
-  mm = jax.jit(jnp.dot)
-  for _ in range(3):
-    mm(a, a).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    mm(a, a).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * n**3 / statistics.median(times)
+def _print(line: str):
+  """Console output from process 0 only (every host runs the loop)."""
+  if jax.process_index() == 0:
+    print(line, flush=True)
 
 
-def _flops_per_sequence(config) -> float:
-  d = config.data
-  target_len = span_corruption.target_len(config) if config.objective == "span_corruption" else 0
-  preds = d.max_predictions_per_seq if config.objective == "mlm" else 0
-  return flops.train_flops_per_sequence(config.model, d.seq_len, target_len, preds)
+def _hosts(kind: str, s: Setup, **kwargs):
+  make = pipeline.make_train_iterator if kind == "train" else pipeline.make_eval_iterator
+  return make(s.config, s.tokenizer, s.objective, process_index=jax.process_index(),
+              process_count=jax.process_count(), **kwargs)
 
 
-def _tokens_per_sequence(config) -> int:
-  extra = span_corruption.target_len(config) if config.objective == "span_corruption" else 0
-  return config.data.seq_len + extra
+def make_evaluator(s: Setup) -> Callable:
+  """params -> eval record (without step), over the eval batches, built once."""
+  it = _hosts("eval", s)
+  batches = list(it)
+  eval_step = step.make_eval_step(s.config, s.objective, s.state_sharding["params"], s.mesh)
+  batch_sh = sharding.batch_sharding(s.mesh)
+
+  def run(params):
+    out = [eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches]
+    return evaluate.summarize(jax.device_get(out), it.bytes_per_token)
+  return run
 
 
+def _init_or_restore(s: Setup, mngr, train_it):
+  """(state, start step): the latest checkpoint with its data position, or a fresh state at step 0."""
+  latest = mngr.latest_step()
+  if latest is None:
+    return init_state(s.config, s.tx, s.state_sharding), 0
+  saved = checkpoint.saved_config(mngr, latest)
+  checkpoint.check_model(saved, s.config, mngr.directory)
+  changes = checkpoint.data_changes(saved, s.config)
+  state, data_state = checkpoint.restore(mngr, latest, s.abstract_state, s.state_sharding, with_data=not changes)
+  if data_state is not None and "shards" not in data_state:
+    changes = ["data-iterator state of an older lm_jax"]
+  if changes:
+    _print(f"resumed step {latest}; data config changed ({'; '.join(changes)}): fresh data iterator")
+  else:
+    train_it.set_state(data_state)
+    _print(f"resumed step {latest} from {mngr.directory}")
+  return state, latest
+
+
+# ------------------------------------------------------------------------------------- the loop's schedules
 class _Preemption:
   """SIGTERM sets a flag; the loop saves after the current step and exits 0."""
 
   def __init__(self):
-    self.requested = False
-    self.previous = None
+    self.requested, self._previous = False, None
 
   def __enter__(self):
     try:
-      self.previous = signal.signal(signal.SIGTERM, self._handle)
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
     except ValueError:  # not the main thread: leave signals alone
       pass
     return self
@@ -133,173 +126,134 @@ class _Preemption:
     self.requested = True
 
   def __exit__(self, *exc):
-    if self.previous is not None:
-      signal.signal(signal.SIGTERM, self.previous)
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+  def any_process(self) -> bool:
+    """Whether any host received SIGTERM (all hosts must stop at the same step)."""
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
 
 
-def _any_process(flag: bool) -> bool:
-  if jax.process_count() == 1:
-    return flag
-  from jax.experimental import multihost_utils
-  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+class _Meter:
+  """Metrics of the steps since the last log (kept on device) and their wall time, evals and saves excluded."""
+
+  def __init__(self, step: int):
+    self.first_step, self.pending, self.start, self.paused = step, [], time.perf_counter(), 0.0
+
+  def host_metrics(self) -> list[dict]:
+    return [{k: float(v) for k, v in m.items()} for m in jax.device_get(self.pending)]
+
+  def check_finite(self, mngr, host: list[dict] | None = None):
+    """Raises before anything non-finite can be logged as fine or saved."""
+    for i, m in enumerate(self.host_metrics() if host is None else host):
+      if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+        mngr.wait_until_finished()
+        raise FloatingPointError(f"non-finite loss ({m['loss']}) or grad norm ({m['grad_norm']}) at step "
+                                 f"{self.first_step + i + 1}; not saved. Last good checkpoint: step {mngr.latest_step()}")
 
 
-def _print(line: str):
-  """Console output from process 0 only (every host runs this loop)."""
-  if jax.process_index() == 0:
-    print(line, flush=True)
+def _log(s: Setup, meter: _Meter, step_: int, end: int, log, peak: float, mngr) -> tuple[dict, _Meter]:
+  """Writes the train record of the last step (throughput over the window) and starts a new window."""
+  host = meter.host_metrics()
+  meter.check_finite(mngr, host)
+  seconds = (time.perf_counter() - meter.start - meter.paused) / len(host)
+  last, batch = host[-1], s.config.batch_size
+  record = {"step": step_, "loss": last.pop("loss"), "lr": last.pop("lr"), **last,
+            "tokens_per_sec": s.objective.tokens_per_example(s.config) * batch / seconds,
+            "mfu": s.objective.flops_per_example(s.config) * batch / seconds / peak}
+  log.write(record)
+  _print(metrics_log.console(record, end, seconds))
+  return record, _Meter(step_)
 
 
-def _to_host(metrics: list) -> list[dict]:
-  return [{k: float(v) for k, v in m.items()} for m in jax.device_get(metrics)]
+def _evaluate(run_eval, state, step_: int, end: int, log) -> dict:
+  record = {"step": step_, **run_eval(state["params"])}
+  log.write(record)
+  _print(metrics_log.console(record, end))
+  return record
 
 
-def _check_finite(host_metrics: list[dict], first_step: int, mngr):
-  for i, m in enumerate(host_metrics):
-    if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-      mngr.wait_until_finished()
-      last = mngr.latest_step()
-      raise FloatingPointError(f"non-finite loss ({m['loss']}) or grad norm ({m['grad_norm']}) at step "
-                               f"{first_step + i + 1}; not saved. Last good checkpoint: step {last}")
+def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]:
+  """Steps start+1 .. end with the log / eval / checkpoint / preemption schedules. Returns (state, result)."""
+  c = s.config
+  end = c.phase_end_step or c.total_steps
+  train_step = step.make_train_step(c, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
+  run_eval = make_evaluator(s) if c.eval_every else None
+  batch_sh, peak = sharding.batch_sharding(s.mesh), hardware.peak_flops(list(s.mesh.devices.flat), c.peak_tflops)
+  result, meter = {"step": start, "train": None, "eval": None}, _Meter(start)
+  if start >= end:
+    _print(f"nothing to do: checkpoint step {start} >= end step {end}")
+  with _Preemption() as preemption:
+    for i in range(start + 1, end + 1):
+      state, metrics = train_step(state, sharding.global_batch(next(train_it), batch_sh))
+      meter.pending.append(metrics)
+      last, log_now = i == end, i % c.log_every == 0 or i == end or i == 1  # step 1: loss right after compiling
+      stop = preemption.any_process() if (log_now or jax.process_count() == 1) else False
+      if log_now:
+        result["train"], meter = _log(s, meter, i, end, log, peak, mngr)
+      t_pause = time.perf_counter()
+      if run_eval and (i % c.eval_every == 0 or last):
+        result["eval"] = _evaluate(run_eval, state, i, end, log)
+      if i % c.checkpoint_every == 0 or last or stop:
+        meter.check_finite(mngr)
+        checkpoint.save(mngr, i, state, checkpoint.data_state(train_it), c)
+      meter.paused += time.perf_counter() - t_pause
+      result["step"] = i
+      if stop:
+        _print(f"SIGTERM: saved step {i}, exiting")
+        break
+  return state, result
 
 
 # ----------------------------------------------------------------------------------------------- entry points
-def _setup(config, workdir, devices=None):
-  """Validated config -> (objective, tokenizer, mesh, rules, tx, lr, abstract state, state shardings)."""
-  metrics_log.quiet_libraries()
-  devices = jax.devices() if devices is None else list(devices)
-  validate(config, len(devices), jax.process_count())
-  objective = objectives.get(config.objective, config)
-  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-  tokenizer = tokenizer_lib.load_or_train(config, workdir)
-  mesh = sharding.make_mesh(config, devices)
-  rules = sharding.rules(config)
-  tx, lr = optim.make(config, models.logical_axes(config.model))
-  abstract, state_sh = _state_sharding(config, tx, mesh, rules)
-  return objective, tokenizer, mesh, rules, tx, lr, abstract, state_sh
-
-
-def _eval_fn(config, objective, tokenizer, mesh, params_sh):
-  """params -> eval record (without step), over the cached eval batches."""
-  it = pipeline.make_eval_iterator(config, tokenizer, process_index=jax.process_index(),
-                                   process_count=jax.process_count())
-  batches = list(it)
-  eval_step = step.make_eval_step(config, objective, params_sh, mesh)
-  batch_sh = sharding.batch_sharding(mesh)
-
-  def run(params):
-    out = [eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches]
-    return evaluate.summarize(jax.device_get(out), it.bytes_per_token)
-  return run
-
-
 def train(config, workdir: str, *, devices=None) -> dict:
   """Trains (or resumes) to config.phase_end_step or total_steps. Returns {'step', 'train': last train
   record, 'eval': last eval record, 'state': final train state}."""
-  objective, tokenizer, mesh, rules, tx, lr, abstract, state_sh = _setup(config, workdir, devices)
-  peak = _peak_flops(config, list(mesh.devices.flat))
-  end = config.phase_end_step or config.total_steps
+  s = setup(config, workdir, devices)
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
-  train_it = pipeline.make_train_iterator(config, tokenizer, process_index=jax.process_index(),
-                                          process_count=jax.process_count())
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    latest = mngr.latest_step()
-    if latest is None:
-      state = _init_state(config, tx, state_sh)
-    else:
-      saved = checkpoint.saved_config(mngr, latest)
-      checkpoint.check_model(saved, config, mngr.directory)
-      changes = checkpoint.data_changes(saved, config)
-      state, data_state = checkpoint.restore(mngr, latest, abstract, state_sh, with_data=not changes)
-      if not changes and len(data_state["processes"]) != jax.process_count():
-        changes = [f"processes: {len(data_state['processes'])} -> {jax.process_count()}"]
-      if changes:
-        _print(f"resumed step {latest}; data config changed ({'; '.join(changes)}): fresh data iterator")
-      else:
-        train_it.set_state(data_state["processes"][jax.process_index()])
-        _print(f"resumed step {latest} from {mngr.directory}")
-    start = latest or 0
+  train_it = _hosts("train", s)
+  with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+    state, start = _init_or_restore(s, mngr, train_it)
     log = metrics_log.MetricsLog(workdir, start)
-    train_step = step.make_train_step(config, objective, tx, lr, state_sh, mesh)
-    run_eval = _eval_fn(config, objective, tokenizer, mesh, state_sh["params"]) if config.eval_every else None
-    batch_sh = sharding.batch_sharding(mesh)
-    flops_per_seq = _flops_per_sequence(config)
-    tokens_per_step = config.batch_size * _tokens_per_sequence(config)
-    result = {"step": start, "train": None, "eval": None}
-    pending, window_start, t_window, paused = [], start, time.perf_counter(), 0.0
-    if start >= end:
-      _print(f"nothing to do: checkpoint step {start} >= end step {end}")
-
-    with _Preemption() as preemption:
-      for s in range(start + 1, end + 1):
-        state, metrics = train_step(state, sharding.global_batch(next(train_it), batch_sh))
-        pending.append(metrics)
-        last = s == end
-        log_now = s % config.log_every == 0 or last or s == 1  # step 1: the initial loss, right after compiling
-        stop = _any_process(preemption.requested) if (log_now or jax.process_count() == 1) else False
-        if log_now:
-          host = _to_host(pending)
-          _check_finite(host, window_start, mngr)
-          seconds = (time.perf_counter() - t_window - paused) / len(pending)
-          last_metrics = host[-1]
-          record = {"step": s, "loss": last_metrics.pop("loss"), "lr": last_metrics.pop("lr"), **last_metrics,
-                    "tokens_per_sec": tokens_per_step / seconds,
-                    "mfu": flops_per_seq * config.batch_size / seconds / peak}
-          log.write(record)
-          result["train"] = record
-          _print(metrics_log.console(record, end, seconds))
-          pending, window_start, t_window, paused = [], s, time.perf_counter(), 0.0
-        t_pause = time.perf_counter()
-        if run_eval and (s % config.eval_every == 0 or last):
-          record = {"step": s, **run_eval(state["params"])}
-          log.write(record)
-          result["eval"] = record
-          _print(metrics_log.console(record, end))
-        if s % config.checkpoint_every == 0 or last or stop:
-          _check_finite(_to_host(pending), window_start, mngr)
-          checkpoint.save(mngr, s, state, checkpoint.data_state(train_it), config)
-        paused += time.perf_counter() - t_pause  # evals and saves do not count against throughput
-        result["step"] = s
-        if stop:
-          _print(f"SIGTERM: saved step {s}, exiting")
-          break
+    state, result = _loop(s, state, start, mngr, train_it, log)
     mngr.wait_until_finished()
     mngr.close()
     log.close()
     train_it.close()
-  result["state"] = state
-  return result
+  return {**result, "state": state}
 
 
-def _restore_params(config, workdir):
-  """(objective, tokenizer, mesh, rules, params_sharding, params, step) of the latest checkpoint."""
-  objective, tokenizer, mesh, rules, _, _, abstract, state_sh = _setup(config, workdir)
+def restore_params(config, workdir: str):
+  """(setup, params placed on the mesh, step) of the latest checkpoint in workdir."""
+  s = setup(config, workdir)
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
   latest = mngr.latest_step()
   if latest is None:
     raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
   checkpoint.check_model(checkpoint.saved_config(mngr, latest), config, mngr.directory)
-  with jax.set_mesh(mesh):
-    state, _ = checkpoint.restore(mngr, latest, abstract, state_sh, with_data=False)
+  with jax.set_mesh(s.mesh):
+    state, _ = checkpoint.restore(mngr, latest, s.abstract_state, s.state_sharding, with_data=False)
   mngr.close()
-  return objective, tokenizer, mesh, rules, state_sh["params"], state["params"], latest
+  return s, state["params"], latest
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
-  """Held-out loss, perplexity, bits per byte and accuracies of the latest checkpoint; printed and appended
-  to metrics.jsonl."""
-  objective, tokenizer, mesh, rules, params_sh, params, latest = _restore_params(config, workdir)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    record = {"step": latest, **_eval_fn(config, objective, tokenizer, mesh, params_sh)(params)}
-  metrics_log.MetricsLog(workdir, resume_step=10**12, tensorboard=False).write(record)  # no-op off process 0
+  """Held-out metrics of the latest checkpoint: printed first, then appended to metrics.jsonl."""
+  s, params, latest = restore_params(config, workdir)
+  with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+    record = {"step": latest, **make_evaluator(s)(params)}
   _print(metrics_log.console(record, latest))
+  metrics_log.MetricsLog(workdir, resume_step=10**12, tensorboard=False).write(record)  # no-op off process 0
   return record
 
 
 def export_checkpoint(config, workdir: str, export_dir: str):
   """The latest checkpoint's params as a Hugging Face directory (lm_jax.export.save_hf)."""
   from lm_jax.hf import export
-  *_, params, latest = _restore_params(config, workdir)
+  _, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)

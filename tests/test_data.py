@@ -50,6 +50,14 @@ def toks(files, tmp_path_factory):
   return {o: tokenizer.load_or_train(_config(o, files / "big.txt"), str(work)) for o in MODULES}
 
 
+def _train_it(c, tok, **kw):
+  return pipeline.make_train_iterator(c, tok, objectives.get(c.objective), **kw)
+
+
+def _eval_it(c, tok, **kw):
+  return pipeline.make_eval_iterator(c, tok, objectives.get(c.objective), **kw)
+
+
 def _take(it, n):
   return [next(it) for _ in range(n)]
 
@@ -65,26 +73,28 @@ def _same(a, b):
 # ------------------------------------------------------------------------------------------------ sources
 
 def test_file_types_and_bad_records_are_counted(tmp_path, toks):
-  (tmp_path / "a.txt").write_bytes(b"First doc line one\nline two\n\n \n\nSecond doc here\n\n\xff\xfe broken\n")
+  (tmp_path / "a.txt").write_bytes(b"First doc line one\nline two\n\n \n\nSecond doc here\n\n\xff\xfe broken\n"
+                                   b"\n\n\xff\xfe")
   (tmp_path / "b.jsonl").write_bytes(b'{"text": "a json document"}\nnot json\n{"other": 1}\n{"text": ""}\n'
                                      b'{"text": "\xff bad"}\n{"text": "a"}\n')
   (tmp_path / "c.tsv").write_text("a tab separated sentence\t1\nanother one\t0\n")
   (tmp_path / "d.tsv").write_text("label\ttext\n1\theader names the text column\n")
   docs = sources.documents(_config("clm", tmp_path / "*"), "train")
   assert [d if isinstance(d, str) else d.reason for d in docs] == [
-      "First doc line one\nline two", "Second doc here", "undecodable",
-      "a json document", "malformed", "malformed", "", "undecodable", "a",
+      "First doc line one\nline two", "Second doc here", "\ufffd\ufffd broken", "undecodable",
+      "a json document", "malformed", "malformed", "", "\ufffd bad", "a",
       "a tab separated sentence", "another one", "header names the text column"]
-  it = pipeline.make_train_iterator(_config("clm", tmp_path / "*", shuffle=False), toks["clm"], prefetch=0)
+  it = _train_it(_config("clm", tmp_path / "*", shuffle=False), toks["clm"], prefetch=0)
   next(it)   # one epoch is smaller than a batch: the iterator wraps around, never crashes
-  assert it.stats == dict(documents=12, empty=1, undecodable=2, malformed=2, too_short=1, dropped_tokens=0)
+  assert it.stats == dict(documents=13, empty=1, undecodable=1, malformed=2, too_short=1, dropped_tokens=0,
+                          replaced_documents=2, replaced_bytes=3)
 
 
 def test_missing_empty_and_unsupported_sources_are_named(tmp_path, toks):
   with pytest.raises(FileNotFoundError, match="no files match .*nothing-here"):
     sources.documents(_config("clm", tmp_path / "nothing-here*.txt"), "train")
   (tmp_path / "bad.jsonl").write_text("oops\n{}\n")
-  it = pipeline.make_train_iterator(_config("clm", tmp_path / "bad.jsonl"), toks["clm"], prefetch=0)
+  it = _train_it(_config("clm", tmp_path / "bad.jsonl"), toks["clm"], prefetch=0)
   with pytest.raises(ValueError, match="no usable documents in .*bad.jsonl.*'malformed': 2"):
     next(it)
   (tmp_path / "x.csv").write_text("a,b\n")
@@ -117,9 +127,9 @@ def test_tfds_tiny_shakespeare_offline_through_the_trainer_path(shared_data, tmp
   assert len(splits["train"]) > 5000                           # one record per split, cut at blank lines
   joined = "".join("".join(d[i].split()) for d in splits.values() for i in range(len(d)))
   assert joined == "".join(text.split())                       # nothing lost or duplicated
-  batch = next(pipeline.make_train_iterator(c, toks["clm"], prefetch=0))
+  batch = next(_train_it(c, toks["clm"], prefetch=0))
   assert batch["input_ids"].shape == (8, 64) and batch["weights"].sum() > 0
-  evals = pipeline.make_eval_iterator(c, toks["clm"])
+  evals = _eval_it(c, toks["clm"])
   assert len(evals) == c.data.eval_batches and 1.5 < evals.bytes_per_token < 4
 
 
@@ -146,7 +156,7 @@ def test_tfds_random_access_records_built_on_first_use(tmp_path, toks, monkeypat
   assert len(sources.documents(c, "train[:25%]")) == 10
   texts = [docs[i] for i in range(40)]
   assert texts.count(sources.Bad("undecodable")) == 1 and "Document number 3. It has a second sentence." in texts
-  it = pipeline.make_train_iterator(c, toks["clm"], prefetch=0)
+  it = _train_it(c, toks["clm"], prefetch=0)
   next(it)
   assert it.stats["undecodable"] == 1 and it.stats["documents"] == 40
   with pytest.raises(ValueError, match="config.data.text_field='body' is not a feature of TFDS toy_docs"):
@@ -170,7 +180,7 @@ CASES = [("clm", False), ("mlm", False), ("mlm", True), ("span_corruption", Fals
 @pytest.mark.parametrize("objective,with_nsp", CASES)
 def test_batches_have_exactly_the_objective_features(files, toks, objective, with_nsp):
   c = _config(objective, files / "big.txt", nsp_=with_nsp, whole_word_mask=objective == "mlm")
-  batch = next(pipeline.make_train_iterator(c, toks[objective], prefetch=0))
+  batch = next(_train_it(c, toks[objective], prefetch=0))
   want = objectives.get(objective).features(c)
   assert {k: (v.shape[1:], v.dtype) for k, v in batch.items()} == {k: (s, np.dtype(t)) for k, (s, t) in want.items()}
   assert all(v.shape[0] == 8 for v in batch.values())
@@ -191,47 +201,87 @@ def test_batches_have_exactly_the_objective_features(files, toks, objective, wit
 @pytest.mark.parametrize("objective,with_nsp", CASES)
 def test_same_seed_same_batches_and_resume_mid_epoch(files, toks, objective, with_nsp):
   c = _config(objective, files / ("tiny.txt" if with_nsp else "small.txt"), nsp_=with_nsp)
-  make = lambda **kw: pipeline.make_train_iterator(c, toks[objective], window_rows=18, **kw)
+  make = lambda **kw: _train_it(c, toks[objective], window_rows=18, **kw)
   reference = _take(make(prefetch=0), 12)
   _same(_take(make(prefetch=3), 12), reference)           # prefetch thread changes nothing
   first = make(prefetch=2)
   _take(first, 5)
   state = json.loads(json.dumps(first.get_state()))
-  assert state["window"] > 0 and state["row"] > 0             # mid-window (18 rows, batches of 8)
+  assert state["shards"]["0"]["window"] > 0 and state["shards"]["0"]["row"] > 0   # mid-window (18 rows, batches of 8)
   resumed = make(prefetch=2)
   resumed.set_state(state)
   after = _take(resumed, 7)
   _same(after, reference[5:])
-  assert resumed.get_state()["epoch"] >= 1                    # the check crossed an epoch boundary
+  assert resumed.get_state()["shards"]["0"]["epoch"] >= 1                    # the check crossed an epoch boundary
   c.seed = 1
   assert not np.array_equal(next(make(prefetch=0))["input_ids"], reference[0]["input_ids"])
 
 
-def test_state_from_another_host_layout_is_refused(files, toks):
-  it = pipeline.make_train_iterator(_config("clm", files / "small.txt"), toks["clm"], prefetch=0)
-  state = dict(it.get_state(), process_count=2)
-  with pytest.raises(ValueError, match="process_count=2, this run has 1"):
+def test_state_without_this_hosts_shards_is_refused(files, toks):
+  c = _config("clm", files / "small.txt", shards=2)
+  it = _train_it(c, toks["clm"], process_index=1, process_count=2, prefetch=0)
+  state = _train_it(c, toks["clm"], process_index=0, process_count=2, prefetch=0).get_state()
+  with pytest.raises(ValueError, match=r"no position for data shard\(s\) 1"):
     it.set_state(state)
 
 
-def test_two_hosts_read_disjoint_shards_that_cover_the_data(files, toks):
+def test_shards_are_disjoint_and_cover_the_documents(files, toks):
   n = len(sources.documents(_config("clm", files / "small.txt"), "train"))
   for shuffle in (False, True):
-    orders = [pipeline.shard_order(n, seed=0, shuffle=shuffle, process_index=h, process_count=2) for h in (0, 1)]
+    orders = [pipeline.shard_order(n, seed=0, shuffle=shuffle, shard=k, shards=2) for k in (0, 1)]
     for epoch in (0, 1):
       shards = [{o[epoch * len(o) + i] for i in range(len(o))} for o in orders]
       assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(n))
-  # What each host emits in its first epoch: exactly its documents, each followed by eos, in shard order.
-  c = _config("clm", files / "small.txt", shuffle=False, batch=2)
+  # What a shard emits in its first epoch: exactly its documents, each followed by eos, in order (row k of
+  # every global batch of 2 rows comes from shard k).
+  c = _config("clm", files / "small.txt", shuffle=False, batch=2, shards=2)
   tok, docs = toks["clm"], sources.documents(c, "train")
-  for host in (0, 1):
-    it = pipeline.make_train_iterator(c, tok, process_index=host, process_count=2, prefetch=0)
-    stream = []
-    while it.get_state()["epoch"] == 0:
-      b = next(it)
-      stream += b["input_ids"][b["segment_ids"] > 0].tolist()
-    expected = [t for i in range(host, n, 2) for t in tok.encode(docs[i]) + [tok.eos_id]][:-1]
-    assert stream[:len(expected)] == expected
+  it = _train_it(c, tok, prefetch=0)
+  streams = [[], []]
+  while all(it.get_state()["shards"][str(k)]["epoch"] == 0 for k in (0, 1)):
+    b = next(it)
+    for k in (0, 1):
+      streams[k] += b["input_ids"][k][b["segment_ids"][k] > 0].tolist()
+  for k in (0, 1):
+    expected = [t for i in range(k, n, 2) for t in tok.encode(docs[i]) + [tok.eos_id]]
+    assert streams[k] == expected[:len(streams[k])] and len(streams[k]) > 0.5 * len(expected)
+
+
+@pytest.mark.parametrize("objective,shards", [("clm", 1), ("clm", 4), ("mlm", 2), ("span_corruption", 2)])
+def test_the_global_batch_does_not_depend_on_the_number_of_hosts(files, toks, objective, shards):
+  """Hosts' slices of each global batch, concatenated, are the 1-host batches; a state saved with 4 hosts
+  continues the stream on 1 host and on 2."""
+  c = _config(objective, files / "small.txt", shards=shards)
+  tok = toks[objective]
+  one = _take(_train_it(c, tok, window_rows=18, prefetch=0), 6)
+  for hosts in (2, 4):
+    its = [_train_it(c, tok, process_index=h, process_count=hosts, window_rows=18, prefetch=0) for h in range(hosts)]
+    parts = [_take(it, 6) for it in its]
+    _same([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(6)], one)
+  its = [_train_it(c, tok, process_index=h, process_count=4, window_rows=18, prefetch=0) for h in range(4)]
+  for it in its:
+    _take(it, 3)
+  merged = {"batch_index": 3, "shards": {}}
+  for it in its:
+    merged["shards"].update(it.get_state()["shards"])
+  for hosts in (1, 2):
+    resumed = [_train_it(c, tok, process_index=h, process_count=hosts, window_rows=18, prefetch=0)
+               for h in range(hosts)]
+    for it in resumed:
+      it.set_state(json.loads(json.dumps(merged)))
+    parts = [_take(it, 3) for it in resumed]
+    _same([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(3)], one[3:])
+
+
+def test_thin_data_is_reported(files, toks, tmp_path, caplog):
+  """A one-sentence corpus: rows mostly padding, and one epoch smaller than the batch, each said once."""
+  (tmp_path / "one.txt").write_text("To be, or not to be, that is the question.\n")
+  c = _config("clm", tmp_path / "one.txt")
+  with caplog.at_level("WARNING"):
+    _take(_train_it(c, toks["clm"], prefetch=0), 2)
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert any("% padding" in w and "one.txt" in w for w in warnings), warnings
+  assert any("fewer rows than the 8" in w for w in warnings), warnings
 
 
 # ---------------------------------------------------------------------------------------------- packing
@@ -253,7 +303,7 @@ def test_causal_rows_segments_positions_and_padding():
 
 def test_packed_pipeline_rows_score_no_padding(files, toks):
   c = _config("clm", files / "small.txt", shuffle=False)
-  batches = _take(pipeline.make_train_iterator(c, toks["clm"], prefetch=0), 8)
+  batches = _take(_train_it(c, toks["clm"], prefetch=0), 8)
   for b in batches:
     pad = b["segment_ids"] == 0
     assert not b["weights"][pad].any() and (b["input_ids"][pad] == 0).all()
@@ -295,7 +345,7 @@ def test_nsp_instances_follow_document_structure():
 def test_nsp_pairs_half_random_and_within_length(files, toks):
   c = _config("mlm", files / "big.txt", nsp_=True, seq_len=64, batch=500)
   tok = toks["mlm"]
-  batches = _take(pipeline.make_train_iterator(c, tok, prefetch=0), 12)
+  batches = _take(_train_it(c, tok, prefetch=0), 12)
   labels = np.concatenate([b["nsp_labels"] for b in batches])
   assert len(labels) == 6000 and abs(labels.mean() - 0.5) < 0.02
   for b in batches:
@@ -315,13 +365,13 @@ def test_nsp_pairs_half_random_and_within_length(files, toks):
 def test_eval_batches_are_finite_repeatable_and_split_across_hosts(files, toks):
   c = _config("clm", files / "big.txt", eval_batches=3)
   c.data.eval_split = "train[80%:]"
-  one = pipeline.make_eval_iterator(c, toks["clm"])
+  one = _eval_it(c, toks["clm"])
   assert len(list(one)) == 3 and 1.5 < one.bytes_per_token < 4
   _same(list(one), list(one))
-  hosts = [list(pipeline.make_eval_iterator(c, toks["clm"], process_index=h, process_count=2)) for h in (0, 1)]
+  hosts = [list(_eval_it(c, toks["clm"], process_index=h, process_count=2)) for h in (0, 1)]
   for b, (h0, h1) in enumerate(zip(*hosts)):
     for k in h0:
       np.testing.assert_array_equal(np.concatenate([h0[k], h1[k]]), list(one)[b][k])
   c.data.eval_split = "train[:2]"
   with pytest.raises(ValueError, match="too small for one eval batch"):
-    pipeline.make_eval_iterator(c, toks["clm"])
+    _eval_it(c, toks["clm"])

@@ -1,18 +1,18 @@
-"""The input pipeline: documents -> tokens -> rows -> objective transform -> batches of numpy arrays.
+"""The input pipeline: documents -> tokens -> rows (the objective's layout) -> its transform -> batches.
 
-Rows per objective:
-  clm              packed rows of the document stream (each document + eos), segment ids and positions
-  span_corruption  chunks of the stream of the raw length T5's rule gives (512 -> 568), then corrupt_spans
-  mlm              [CLS] A [SEP] B [SEP] pairs from document structure with config.data.nsp (BERT), else
-                   [CLS] chunk [SEP] of the stream (documents separated by [SEP]); then mask_tokens
+One global stream, whatever the number of hosts. The training documents are cut into config.data.shards
+shards (document i goes to shard i % shards); every global batch takes batch_size / shards rows from each
+shard, in shard order, and shard k's rows for batch b are transformed (masking, span corruption) with
+np.random.default_rng([seed, k, b]). The global batch at step s is therefore a function of the data config,
+the seed and s only. Each host builds the shards that overlap its slice of the global batch (rows
+[h * B / P, (h + 1) * B / P)) and keeps that slice, so 1 or N hosts train on the same batches, and a run
+resumed on another number of hosts continues the same stream. More shards spread the host work: with
+shards a multiple of the process count every host builds only its own shards.
 
-Determinism and resumption: host h takes documents h, h + P, ... (P = process_count) and visits them in a
-new grain shuffle each epoch. Rows are made in windows of `window_rows` from a cursor (position in the
-epoch's document order, offset inside that document) and shuffled within the window by a seeded
-permutation. The iterator state (epoch, window, cursor at the window start, rows used, batch index) is a
-small JSON dict: restoring rebuilds the window from its cursor and skips the used rows, so a resumed run
-sees exactly the batches it would have seen. Masking / span corruption draw from
-np.random.default_rng([seed, process_index, batch_index]).
+Inside a shard the documents are visited in a new grain shuffle each epoch; rows are made in windows of
+`window_rows` from a cursor and shuffled within the window. A shard's state (epoch, window, cursor at the
+window start, rows used) is a small JSON dict; restoring rebuilds the window from its cursor and skips the
+used rows, so a resumed run sees exactly the batches it would have seen.
 """
 import queue
 import threading
@@ -21,224 +21,12 @@ import grain
 import numpy as np
 from absl import logging
 
-from lm_jax.data import corruption, masking, nsp, packing, sources
+from lm_jax.data import corpus as corpus_lib
+from lm_jax.data import rows as rows_lib
+from lm_jax.data import sources
 
 WINDOW_ROWS = 1024            # rows shuffled together; a restore rebuilds at most this many
-_DOCS_PER_CALL = 32           # documents tokenized per batched encode call
-_CACHE_TOKENS = 50_000_000    # tokenized documents kept in memory (small corpora are tokenized once)
-_MIN_TOKENS = 2               # shorter documents are counted as too short and skipped
-
-
-class Corpus:
-  """Tokenized documents of one split, encoded in batches and cached.
-
-  stats counts records as they are tokenized: once each for a corpus that fits in the cache, on every
-  visit for larger ones.
-  """
-
-  def __init__(self, docs, tokenizer, *, as_sentences: bool):
-    self.docs, self.path = docs, docs.path
-    self._tok, self._as_sentences = tokenizer, as_sentences
-    self._cache, self._cached, self._recent = {}, 0, {}
-    self.stats = dict(documents=0, empty=0, undecodable=0, malformed=0, too_short=0)
-    self.bytes = self.tokens_count = 0
-
-  def __len__(self):
-    return len(self.docs)
-
-  def tokens(self, ids: list[int]) -> list:
-    """Per id: a token array (stream mode) or a list of sentence arrays (as_sentences); empty if bad."""
-    missing = [i for i in dict.fromkeys(ids) if i not in self._cache and i not in self._recent]
-    if missing:
-      self._tokenize(missing)
-    return [self._cache[i] if i in self._cache else self._recent[i] for i in ids]
-
-  def _tokenize(self, ids):
-    texts, good = [], []
-    for i in ids:
-      text = self.docs[i]
-      reason = text.reason if isinstance(text, sources.Bad) else ("empty" if not text.strip() else None)
-      if reason:
-        self._store(i, [] if self._as_sentences else np.zeros(0, np.int32), reason)
-      else:
-        good.append(i)
-        texts.append(nsp.sentences(text) if self._as_sentences else text)
-    if self._as_sentences:
-      flat = self._tok.encode_batch([s for t in texts for s in t])
-      k = 0
-      for i, t in zip(good, texts):
-        segs = [np.asarray(s, np.int32) for s in flat[k:k + len(t)] if s]
-        k += len(t)
-        n = sum(map(len, segs))
-        self._count(t, n)
-        self._store(i, segs if n >= _MIN_TOKENS else [], None if n >= _MIN_TOKENS else "too_short")
-    else:
-      for i, t, ids_ in zip(good, texts, self._tok.encode_batch(texts)):
-        self._count([t], len(ids_))
-        ok = len(ids_) >= _MIN_TOKENS
-        self._store(i, np.asarray(ids_ if ok else [], np.int32), None if ok else "too_short")
-
-  def _count(self, texts, n):
-    self.bytes += sum(len(t.encode("utf-8")) for t in texts)
-    self.tokens_count += n
-
-  def _store(self, i, value, reason):
-    self.stats["documents"] += 1
-    if reason:
-      self.stats[reason] += 1
-    size = sum(map(len, value)) if self._as_sentences else len(value)
-    if self._cached + size <= _CACHE_TOKENS:
-      self._cache[i] = value
-      self._cached += size
-    else:                        # cache full: keep the last few hundred documents only
-      self._recent[i] = value
-      if len(self._recent) > 8 * _DOCS_PER_CALL:
-        del self._recent[next(iter(self._recent))]
-
-
-class Rows:
-  """Rows of one objective from a corpus in a per-epoch document order, restartable from a cursor."""
-
-  def __init__(self, config, tokenizer, corpus, order, *, seed, process_index):
-    d = config.data
-    self.corpus, self._order, self._tok = corpus, order, tokenizer
-    self._seed, self._host = seed, process_index
-    self.kind = "nsp" if config.objective == "mlm" and d.nsp else config.objective
-    if self.kind not in ("clm", "span_corruption", "mlm", "nsp"):
-      raise ValueError(f"config.objective={config.objective!r} has no input pipeline")
-    self.seq_len = d.seq_len
-    self.width = {"clm": d.seq_len, "mlm": d.seq_len - 2, "nsp": 0,
-                  "span_corruption": raw_length(config)}[self.kind]
-    self._sep = {"clm": tokenizer.eos_id, "mlm": tokenizer.sep_id}.get(self.kind)
-    self.epoch_len = len(order)
-    self.dropped_tokens = 0
-
-  def doc_id(self, epoch: int, pos: int) -> int:
-    return int(self._order[epoch * self.epoch_len + pos])
-
-  def window(self, epoch: int, cursor, n_rows: int):
-    """(rows dict, cursor after them); the cursor is (epoch_len, 0) once the epoch is used up."""
-    if self.kind == "nsp":
-      return self._pair_window(epoch, cursor, n_rows)
-    need = n_rows * self.width
-    tokens, docs, end = self._stream(epoch, cursor, need, lookahead=int(self.kind == "clm"))
-    t = self._tok
-    if self.kind == "clm":
-      return packing.causal_rows(tokens[:need + 1], docs[:need + 1], self.seq_len, t.pad_id), end
-    if self.kind == "span_corruption":
-      rows = packing.chunk_rows(tokens[:need], self.width, pad_id=None)
-      self.dropped_tokens += min(len(tokens), need) - rows.size
-      return {"tokens": rows}, end
-    chunks = packing.chunk_rows(tokens[:need], self.width, pad_id=t.pad_id)
-    return packing.bert_rows(chunks, cls_id=t.cls_id, sep_id=t.sep_id, pad_id=t.pad_id), end
-
-  def _stream(self, epoch, cursor, need, lookahead):
-    """Tokens of the concatenated documents from cursor (and their positions as document numbers)."""
-    pos, off = cursor
-    pieces, total, start = [], 0, pos
-    while total < need + lookahead and pos < self.epoch_len:
-      stop = min(pos + _DOCS_PER_CALL, self.epoch_len)
-      for p, toks in zip(range(pos, stop), self.corpus.tokens([self.doc_id(epoch, p) for p in range(pos, stop)])):
-        if len(toks) and self._sep is not None:
-          toks = np.append(toks, self._sep)
-        toks = toks[off:] if p == start else toks
-        pieces.append((p, off if p == start else 0, toks))
-        total += len(toks)
-        pos = p + 1
-        if total >= need + lookahead:
-          break
-    end = (self.epoch_len, 0)
-    seen = 0
-    for p, first, toks in pieces:      # the cursor is the stream position `need`
-      if seen + len(toks) > need:
-        end = (p, first + need - seen)
-        break
-      seen += len(toks)
-    else:
-      if pos < self.epoch_len:
-        end = (pos, 0)
-    if not pieces:
-      return np.zeros(0, np.int32), np.zeros(0, np.int64), end
-    tokens = np.concatenate([t for _, _, t in pieces]).astype(np.int32)
-    docs = np.concatenate([np.full(len(t), p, np.int64) for p, _, t in pieces])
-    return tokens, docs, end
-
-  def pairs(self, epoch: int, pos: int) -> list:
-    """The NSP pairs of the document at `pos`, a pure function of (seed, host, epoch, document)."""
-    doc = self.doc_id(epoch, pos)
-    segments = self.corpus.tokens([doc])[0]
-    if not segments:
-      return []
-
-    def other_doc(rng):
-      for _ in range(10):
-        j = self.doc_id(epoch, int(rng.integers(0, self.epoch_len)))
-        segs = self.corpus.tokens([j])[0]
-        if j != doc and segs:
-          return segs
-      return segments                   # a one-document corpus: BERT also falls back after 10 tries
-    rng = np.random.default_rng([self._seed, self._host, epoch, doc])
-    return nsp.instances(segments, rng=rng, seq_len=self.seq_len, other_doc=other_doc)
-
-  def _pair_window(self, epoch, cursor, n_rows):
-    pos, off = cursor
-    out, ready = [], pos
-    while len(out) < n_rows and pos < self.epoch_len:
-      if pos >= ready:     # tokenize the next documents together, one batched call
-        ready = min(pos + _DOCS_PER_CALL, self.epoch_len)
-        self.corpus.tokens([self.doc_id(epoch, p) for p in range(pos, ready)])
-      pairs = self.pairs(epoch, pos)
-      take = pairs[off:off + n_rows - len(out)]
-      out += take
-      off += len(take)
-      if off >= len(pairs):
-        pos, off = pos + 1, 0
-    t = self._tok
-    rows = nsp.assemble(out, seq_len=self.seq_len, cls_id=t.cls_id, sep_id=t.sep_id, pad_id=t.pad_id)
-    return rows, (pos, off)
-
-
-def raw_length(config) -> int:
-  d = config.data
-  return corruption.span_lengths(d.seq_len, d.noise_density, d.mean_noise_span_length)[0]
-
-
-def target_length(config) -> int:
-  d = config.data
-  return d.target_len or corruption.span_lengths(d.seq_len, d.noise_density, d.mean_noise_span_length)[1]
-
-
-def make_transform(config, tokenizer):
-  """rows dict, rng -> the objective's batch features (masking / span corruption happen here)."""
-  d, t = config.data, tokenizer
-  if config.objective == "mlm":
-    def transform(rows, rng):
-      ids = rows["input_ids"]
-      starts = t.word_starts(ids) if d.whole_word_mask else None
-      masked = masking.mask_tokens(ids, rng=rng, vocab_size=t.vocab_size, mask_id=t.mask_id,
-                                   special_ids=t.special_ids, rate=d.mlm_probability,
-                                   max_predictions=d.max_predictions_per_seq, word_starts=starts)
-      return {**rows, **masked}
-  elif config.objective == "span_corruption":
-    targets_length = target_length(config)
-
-    def transform(rows, rng):
-      out = corruption.corrupt_spans(rows["tokens"], rng=rng, vocab_size=t.sentinel_id(0) + 1,
-                                     eos_id=t.eos_id, noise_density=d.noise_density,
-                                     mean_span=d.mean_noise_span_length, inputs_length=d.seq_len,
-                                     targets_length=targets_length)
-      targets = out["decoder_target_ids"]
-      start = config.model.get("decoder_start_token_id", 0)
-      real = (targets != t.pad_id).astype(np.int32)
-      return dict(input_ids=out["input_ids"], attention_mask=(out["input_ids"] != t.pad_id).astype(np.int32),
-                  decoder_input_ids=np.concatenate([np.full((len(targets), 1), start, np.int32),
-                                                    targets[:, :-1]], 1).astype(np.int32),
-                  decoder_target_ids=targets, decoder_attention_mask=real, weights=real.astype(np.float32))
-  else:
-    def transform(rows, rng):
-      del rng
-      return rows
-  return transform
+_MOSTLY_PADDING = 0.5         # warn when less than this fraction of the row positions hold tokens
 
 
 def _take(rows: dict, idx) -> dict:
@@ -249,24 +37,109 @@ def _concat(parts: list) -> dict:
   return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-class TrainIterator:
-  """Endless local batches; get_state() / set_state() for checkpoints; a thread prepares batches ahead."""
+def _num_rows(rows: dict) -> int:
+  return len(next(iter(rows.values())))
 
-  def __init__(self, rows: Rows, transform, *, batch_size, seed, process_index, process_count,
-               shuffle=True, window_rows=WINDOW_ROWS, prefetch=2):
-    self._rows, self._transform, self._batch = rows, transform, batch_size
-    self._seed, self._host, self._hosts = seed, process_index, process_count
-    self._shuffle, self._window_rows, self._prefetch = shuffle, window_rows, prefetch
-    self._state = dict(epoch=0, window=0, cursor=[0, 0], row=0, batch_index=0)
-    self._consumed = dict(self._state)
-    self._win = self._logged = None
+
+def shard_order(n_docs: int, *, seed: int, shuffle: bool, shard: int, shards: int):
+  """Shard `shard`'s documents (every shards-th): order[e * len(order) + i] is epoch e's i-th one.
+
+  grain's shuffle draws a new permutation for every epoch; each shard has its own seed.
+  """
+  order = grain.MapDataset.range(n_docs)[shard::shards]
+  seed = int(np.random.SeedSequence([seed, shard]).generate_state(1)[0])
+  return order.shuffle(seed=seed) if shuffle else order
+
+
+class ShardStream:
+  """Consecutive rows of one shard across windows and epochs; `state` is JSON-serialisable."""
+
+  def __init__(self, rows: rows_lib.ShardRows, *, seed: int, shard: int, shuffle: bool, window_rows: int):
+    self.rows, self.shard = rows, shard
+    self._seed, self._shuffle, self._window_rows = seed, shuffle, window_rows
+    self.state = dict(epoch=0, window=0, cursor=[0, 0], row=0)
+    self._win = self._end = self._logged = None
+
+  def reset(self, state: dict):
+    self.state = dict(epoch=state["epoch"], window=state["window"], cursor=list(state["cursor"]), row=state["row"])
+    self._win = None
+
+  def take(self, n: int) -> dict:
+    parts, s = [], self.state
+    while n:
+      if self._win is None:
+        self._win = self._make_window()
+      rows, size = self._win
+      k = min(n, size - s["row"])
+      parts.append(_take(rows, slice(s["row"], s["row"] + k)))
+      s["row"] += k
+      n -= k
+      if s["row"] == size:
+        s["cursor"], s["window"], s["row"] = list(self._end), s["window"] + 1, 0
+        self._win = None
+        if self._end[0] >= self.rows.epoch_len:
+          self._next_epoch()
+    return _concat(parts)
+
+  def _make_window(self):
+    s, r = self.state, self.rows
+    empty_epochs = 0
+    while True:
+      rows, self._end = r.window(s["epoch"], tuple(s["cursor"]), self._window_rows)
+      n = _num_rows(rows)
+      if n:
+        break
+      empty_epochs += 1
+      if empty_epochs > 1 or (s["cursor"] == [0, 0] and s["window"] == 0):
+        raise ValueError(f"no usable documents in {r.corpus.path} for data shard {self.shard} "
+                         f"(skipped: {r.corpus.stats})")
+      self._next_epoch()
+    if self._shuffle:
+      rows = _take(rows, np.random.default_rng([self._seed, self.shard, s["epoch"], s["window"]]).permutation(n))
+    return rows, n
+
+  def _next_epoch(self):
+    s, r = self.state, self.rows
+    stats = dict(r.corpus.stats, dropped_tokens=r.dropped_tokens)
+    if stats != self._logged and any(v for k, v in stats.items() if k not in ("documents", "dropped_tokens")):
+      logging.warning("data: epoch %d of %s (shard %d) done; skipped %s", s["epoch"], r.corpus.path, self.shard,
+                      stats)
+      self._logged = stats
+    s["epoch"], s["window"], s["cursor"], s["row"] = s["epoch"] + 1, 0, [0, 0], 0
+
+
+def _warn_if_thin(stream: ShardStream, rows_per_batch: int):
+  """After the first epoch's first window: say so when rows are mostly padding or an epoch is smaller than a
+  batch (the same rows then repeat inside every batch)."""
+  r = stream.rows
+  if r.row_tokens and r.real_tokens < _MOSTLY_PADDING * r.row_tokens:
+    logging.warning("data: rows of %s are %.0f%% padding (%d tokens in %d row positions); the documents are short "
+                    "for data.seq_len", r.corpus.path, 100 * (1 - r.real_tokens / r.row_tokens), r.real_tokens,
+                    r.row_tokens)
+  if stream.state["epoch"] > 0 and stream.state["window"] == 0:
+    logging.warning("data: one epoch of %s (shard %d) gives fewer rows than the %d the batch takes from it: "
+                    "batches repeat the same rows", r.corpus.path, stream.shard, rows_per_batch)
+
+
+class TrainIterator:
+  """Endless local batches (this host's slice of each global batch); get_state() / set_state() for
+  checkpoints; a thread prepares batches ahead."""
+
+  def __init__(self, streams: list, transform, *, seed: int, rows_per_shard: int, local: slice, prefetch: int = 2):
+    self._streams, self._transform, self._seed = streams, transform, seed
+    self._rows_per_shard, self._local, self._prefetch = rows_per_shard, local, prefetch
+    self._batch_index = 0
+    self._consumed = self._snapshot()
     self._thread = self._queue = None
     self._stop = threading.Event()
+    self._checked = False
 
   @property
   def stats(self) -> dict:
-    """Bad records skipped so far (each counted once) and tokens dropped at epoch ends."""
-    return {**self._rows.corpus.stats, "dropped_tokens": self._rows.dropped_tokens}
+    """Bad records skipped so far (each counted once), tokens dropped at epoch ends, invalid UTF-8 replaced."""
+    corpus = self._streams[0].rows.corpus
+    return {**corpus.stats, "dropped_tokens": sum(s.rows.dropped_tokens for s in self._streams),
+            **corpus.docs.decode_stats}
 
   def __iter__(self):
     return self
@@ -285,74 +158,39 @@ class TrainIterator:
     return batch
 
   def get_state(self) -> dict:
-    """JSON-serialisable position after the last batch returned."""
-    return dict(self._consumed, cursor=list(self._consumed["cursor"]), seed=self._seed,
-                process_index=self._host, process_count=self._hosts)
+    """JSON-serialisable position after the last batch returned: the batch index and the state of the
+    shards this host reads (checkpoint.data_state merges every host's shards)."""
+    return {"batch_index": self._consumed["batch_index"], "shards": dict(self._consumed["shards"])}
 
   def set_state(self, state: dict):
-    for key, mine in (("seed", self._seed), ("process_index", self._host), ("process_count", self._hosts)):
-      if key in state and state[key] != mine:
-        raise ValueError(f"data iterator state has {key}={state[key]}, this run has {mine}")
+    missing = [str(s.shard) for s in self._streams if str(s.shard) not in state.get("shards", {})]
+    if missing:
+      raise ValueError(f"data iterator state has no position for data shard(s) {', '.join(missing)}")
     self._halt()
-    self._state = {k: state[k] for k in ("epoch", "window", "row", "batch_index")}
-    self._state["cursor"] = list(state["cursor"])
-    self._consumed = dict(self._state)
-    self._win = None
+    self._batch_index = state["batch_index"]
+    for s in self._streams:
+      s.reset(state["shards"][str(s.shard)])
+    self._consumed = self._snapshot()
 
   def close(self):
     self._halt()
 
   # -- producer side: everything below runs on the prefetch thread (or inline without prefetch)
+  def _snapshot(self) -> dict:
+    return {"batch_index": self._batch_index,
+            "shards": {str(s.shard): dict(s.state, cursor=list(s.state["cursor"])) for s in self._streams}}
+
   def _produce(self):
-    s, parts, need = self._state, [], self._batch
-    while need:
-      if self._win is None:
-        self._win = self._make_window()
-      rows, n = self._win
-      take = min(need, n - s["row"])
-      parts.append(_take(rows, slice(s["row"], s["row"] + take)))
-      s["row"] += take
-      need -= take
-      if s["row"] == n:
-        self._advance()
-    rng = np.random.default_rng([self._seed, self._host, s["batch_index"]])
-    batch = self._transform(_concat(parts), rng)
-    s["batch_index"] += 1
-    return batch, dict(s, cursor=list(s["cursor"]))
-
-  def _make_window(self):
-    s, r = self._state, self._rows
-    empty_epochs = 0
-    while True:
-      rows, end = r.window(s["epoch"], tuple(s["cursor"]), self._window_rows)
-      n = len(next(iter(rows.values())))
-      self._end = end
-      if n:
-        break
-      empty_epochs += 1
-      if empty_epochs > 1 or (s["cursor"] == [0, 0] and s["window"] == 0):
-        raise ValueError(f"no usable documents in {r.corpus.path} for host {self._host}/{self._hosts} "
-                         f"(skipped: {r.corpus.stats})")
-      self._next_epoch()
-    if self._shuffle:
-      perm = np.random.default_rng([self._seed, self._host, s["epoch"], s["window"]]).permutation(n)
-      rows = _take(rows, perm)
-    return rows, n
-
-  def _advance(self):
-    s = self._state
-    s["cursor"], s["window"], s["row"] = list(self._end), s["window"] + 1, 0
-    self._win = None
-    if self._end[0] >= self._rows.epoch_len:
-      self._next_epoch()
-
-  def _next_epoch(self):
-    s = self._state
-    stats = self.stats
-    if stats != self._logged and any(v for k, v in stats.items() if k not in ("documents", "dropped_tokens")):
-      logging.warning("data: epoch %d of %s done; skipped %s", s["epoch"], self._rows.corpus.path, stats)
-      self._logged = stats
-    s["epoch"], s["window"], s["cursor"], s["row"] = s["epoch"] + 1, 0, [0, 0], 0
+    parts = []
+    for s in self._streams:
+      rows = s.take(self._rows_per_shard)
+      parts.append(self._transform(rows, np.random.default_rng([self._seed, s.shard, self._batch_index])))
+    if not self._checked:
+      for s in self._streams:
+        _warn_if_thin(s, self._rows_per_shard)
+      self._checked = True
+    self._batch_index += 1
+    return _take(_concat(parts), self._local), self._snapshot()
 
   def _start(self):
     self._stop.clear()
@@ -380,8 +218,9 @@ class TrainIterator:
       self._stop.set()
       self._thread.join()
       self._thread = None
-    self._state = dict(self._consumed, cursor=list(self._consumed["cursor"]))
-    self._win = None
+    self._batch_index = self._consumed["batch_index"]
+    for s in self._streams:
+      s.reset(self._consumed["shards"][str(s.shard)])
 
 
 class EvalBatches:
@@ -397,58 +236,56 @@ class EvalBatches:
     return iter(self._batches)
 
 
-def _check_batch(config, process_count) -> int:
+def _local_rows(config, process_index: int, process_count: int) -> slice:
+  """This host's rows of the global batch."""
   if config.batch_size % process_count:
     raise ValueError(f"config.batch_size={config.batch_size} is not divisible by {process_count} processes")
-  return config.batch_size // process_count
+  local = config.batch_size // process_count
+  return slice(process_index * local, (process_index + 1) * local)
 
 
-def shard_order(n_docs: int, *, seed: int, shuffle: bool, process_index: int, process_count: int):
-  """This host's documents (every process_count-th): order[e * len(order) + i] is epoch e's i-th one.
-
-  grain's shuffle draws a new permutation for every epoch (seed + e); without shuffle every epoch is the
-  same order.
-  """
-  order = grain.MapDataset.range(n_docs)[process_index::process_count]
-  return order.shuffle(seed=seed) if shuffle else order
-
-
-def make_train_iterator(config, tokenizer, *, process_index: int = 0, process_count: int = 1,
+def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0, process_count: int = 1,
                         window_rows: int = WINDOW_ROWS, prefetch: int = 2) -> TrainIterator:
-  """Endless batches of this host's shard of config.data.train_split, reshuffled every epoch."""
-  local = _check_batch(config, process_count)
-  docs = sources.documents(config, config.data.train_split)
-  if len(docs) < process_count:
-    raise ValueError(f"{docs.path}: {len(docs)} documents cannot be shared by {process_count} processes")
-  order = shard_order(len(docs), seed=config.seed, shuffle=config.data.shuffle, process_index=process_index,
-                      process_count=process_count)
-  corpus = Corpus(docs, tokenizer, as_sentences=config.objective == "mlm" and config.data.nsp)
-  rows = Rows(config, tokenizer, corpus, order, seed=config.seed, process_index=process_index)
-  return TrainIterator(rows, make_transform(config, tokenizer), batch_size=local, seed=config.seed,
-                       process_index=process_index, process_count=process_count, shuffle=config.data.shuffle,
-                       window_rows=window_rows, prefetch=prefetch)
+  """Endless batches: this host's slice of the global stream of config.data.train_split."""
+  d, shards = config.data, config.data.shards
+  if shards < 1 or config.batch_size % shards:
+    raise ValueError(f"config.data.shards={shards} must be >= 1 and divide config.batch_size={config.batch_size}")
+  rows_per_shard = config.batch_size // shards
+  local = _local_rows(config, process_index, process_count)
+  first, last = local.start // rows_per_shard, (local.stop - 1) // rows_per_shard
+  docs = sources.documents(config, d.train_split)
+  if len(docs) < shards:
+    raise ValueError(f"{docs.path}: {len(docs)} documents cannot fill config.data.shards={shards} shards")
+  layout = objective.rows(config, tokenizer)
+  corpus = corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
+  streams = []
+  for k in range(first, last + 1):
+    order = shard_order(len(docs), seed=config.seed, shuffle=d.shuffle, shard=k, shards=shards)
+    rows = rows_lib.ShardRows(layout, corpus, order, seed=config.seed, shard=k)
+    streams.append(ShardStream(rows, seed=config.seed, shard=k, shuffle=d.shuffle, window_rows=window_rows))
+  offset = first * rows_per_shard
+  return TrainIterator(streams, objective.transform(config, tokenizer), seed=config.seed,
+                       rows_per_shard=rows_per_shard, local=slice(local.start - offset, local.stop - offset),
+                       prefetch=prefetch)
 
 
-def make_eval_iterator(config, tokenizer, *, process_index: int = 0, process_count: int = 1) -> EvalBatches:
-  """config.data.eval_batches batches of config.data.eval_split, the same on every run (no shuffle).
-
-  Every host builds the same global batches from the start of the split and keeps its block of rows,
-  so all hosts agree on the number of batches.
-  """
-  local = _check_batch(config, process_count)
+def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,
+                       process_count: int = 1) -> EvalBatches:
+  """config.data.eval_batches global batches of config.data.eval_split from its start (no shuffle), the same
+  on every run and for any number of hosts; each host keeps its slice."""
+  local = _local_rows(config, process_index, process_count)
   docs = sources.documents(config, config.data.eval_split)
-  corpus = Corpus(docs, tokenizer, as_sentences=config.objective == "mlm" and config.data.nsp)
-  order = grain.MapDataset.range(len(docs))
-  rows_source = Rows(config, tokenizer, corpus, order, seed=config.seed, process_index=0)
-  want = config.data.eval_batches * config.batch_size
-  rows, _ = rows_source.window(0, (0, 0), want)
-  n_batches = min(config.data.eval_batches, len(next(iter(rows.values()))) // config.batch_size)
+  layout = objective.rows(config, tokenizer)
+  corpus = corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
+  source = rows_lib.ShardRows(layout, corpus, grain.MapDataset.range(len(docs)), seed=config.seed, shard=0)
+  rows, _ = source.window(0, (0, 0), config.data.eval_batches * config.batch_size)
+  n_batches = min(config.data.eval_batches, _num_rows(rows) // config.batch_size)
   if n_batches == 0:
-    raise ValueError(f"{docs.path} is too small for one eval batch of {config.batch_size} rows")
-  transform = make_transform(config, tokenizer)
+    raise ValueError(f"{docs.path} is too small for one eval batch of {config.batch_size} rows "
+                     f"({_num_rows(rows)} rows of data.seq_len={config.data.seq_len})")
+  transform = objective.transform(config, tokenizer)
   batches = []
   for b in range(n_batches):
-    start = b * config.batch_size + process_index * local
-    rng = np.random.default_rng([config.seed, process_index, b, 1])
-    batches.append(transform(_take(rows, slice(start, start + local)), rng))
+    global_rows = _take(rows, slice(b * config.batch_size, (b + 1) * config.batch_size))
+    batches.append(_take(transform(global_rows, np.random.default_rng([config.seed, b, 1])), local))
   return EvalBatches(batches, corpus.bytes / max(corpus.tokens_count, 1), corpus.stats)

@@ -2,6 +2,9 @@
 
 `documents(config, split)` returns a random-access sequence; item i is the text of document i, or a
 `Bad` marker for a record that is not usable text (counted and skipped by the pipeline, never fatal).
+Invalid UTF-8 inside a document is replaced by U+FFFD byte by byte and the document kept (a warning names
+the file; `.decode_stats` counts them); a record mostly of such bytes is `Bad('undecodable')`. A file with
+NUL bytes, or mostly not UTF-8, in its first block is refused as binary.
 
 - Files: `.txt`/`.raw`/`.text` (a blank or whitespace-only line ends a document), `.jsonl` (one JSON object
   per line with config.data.text_field), `.tsv` (a text column and a label column; a header row naming
@@ -25,10 +28,14 @@ import re
 import sys
 import types
 
+from absl import logging
+
 _FEW_RECORDS = 1000
 _BLANK_LINE = re.compile(rb"\r?\n[ \t\r]*\n")
 _SLICE = re.compile(r"^([^\[\]]+)(?:\[(-?\d*%?):(-?\d*%?)\])?$")
 _TEXT_SUFFIXES = (".txt", ".raw", ".text")
+_ESCAPED = re.compile("[\udc80-\udcff]")      # what surrogateescape makes of a byte that is not UTF-8
+_SNIFF_BYTES = 8192                            # a file's first block, checked for binary content
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +44,15 @@ class Bad:
   reason: str
 
 
-class InMemory:
-  """Documents held in a list (files and small TFDS splits)."""
+def _replaced_stats(counts) -> dict:
+  return dict(replaced_documents=sum(1 for n in counts if n), replaced_bytes=sum(counts))
 
-  def __init__(self, docs, path):
-    self._docs, self.path = docs, path
+
+class InMemory:
+  """Documents held in a list (files and small TFDS splits); replaced[i] = bytes of document i not UTF-8."""
+
+  def __init__(self, docs, path, replaced):
+    self._docs, self.path, self._replaced = docs, path, replaced
 
   def __len__(self):
     return len(self._docs)
@@ -49,18 +60,37 @@ class InMemory:
   def __getitem__(self, i):
     return self._docs[i]
 
+  @property
+  def decode_stats(self) -> dict:
+    """Documents kept with invalid UTF-8 replaced by U+FFFD, and the bytes replaced."""
+    return _replaced_stats(self._replaced)
+
 
 class TfdsRecords:
-  """Random access to the text field of a TFDS array_record split, decoded lazily."""
+  """Random access to the text field of a TFDS array_record split, decoded lazily.
+
+  decode_stats counts the documents read so far; the first one with invalid UTF-8 logs a warning.
+  """
 
   def __init__(self, source, field, path):
     self._source, self._field, self.path = source, field, path
+    self._replaced = {}
 
   def __len__(self):
     return len(self._source)
 
   def __getitem__(self, i):
-    return _decode(self._source[i][self._field])
+    text, n = _decode(self._source[i][self._field])
+    if n:
+      if not self._replaced:
+        logging.warning("data: %s: record %d has invalid UTF-8, kept with %d bytes replaced by U+FFFD "
+                        "(warned once per split)", self.path, i, n)
+      self._replaced[i] = n
+    return text
+
+  @property
+  def decode_stats(self) -> dict:
+    return _replaced_stats(self._replaced.values())
 
 
 def documents(config, split: str):
@@ -73,7 +103,10 @@ def documents(config, split: str):
 
 
 def training_text(config, max_chars: int) -> list[str]:
-  """Lines of an evenly spaced sample of the training documents (the same on every host)."""
+  """Lines of an evenly spaced sample of the training documents, max_chars in all (the same on every host).
+
+  Lines are whole however long (tokenizer.train cuts them to SentencePiece's sentence limit).
+  """
   docs = documents(config, config.data.train_split)
   step = max(1, len(docs) // 20_000)
   lines, total = [], 0
@@ -83,7 +116,7 @@ def training_text(config, max_chars: int) -> list[str]:
       continue
     for line in text.splitlines():
       if line.strip() and total < max_chars:
-        lines.append(line[:4000])     # SentencePiece skips lines over 4192 bytes
+        lines.append(line[:max_chars - total])
         total += len(lines[-1])
     if total >= max_chars:
       break
@@ -101,7 +134,7 @@ def split_spec(split: str):
   return name, (None if lo is None else (lo, hi))
 
 
-def _apply_slice(docs: list, spec, path):
+def _apply_slice(docs: list, spec):
   if spec is None:
     return docs
   n = len(docs)
@@ -122,34 +155,61 @@ def _file_documents(pattern: str, split: str, field: str) -> InMemory:
   paths = sorted(glob.glob(pattern, recursive=True))
   if not paths:
     raise FileNotFoundError(f"config.data.files: no files match {pattern}")
-  docs = []
+  docs, replaced = [], []
   for path in paths:
-    docs += _read_file(path, field)
+    decoded = _read_file(path, field)
+    docs += [d for d, _ in decoded]
+    replaced += [n for _, n in decoded]
   if not docs:
     raise ValueError(f"config.data.files: no documents in {pattern}")
-  return InMemory(_apply_slice(docs, spec, pattern), f"{pattern} ({split})")
+  return InMemory(_apply_slice(docs, spec), f"{pattern} ({split})", _apply_slice(replaced, spec))
 
 
 def _read_file(path: str, field: str) -> list:
+  """(text or Bad, bytes replaced) per document of one file."""
+  if not path.endswith(_TEXT_SUFFIXES + (".jsonl", ".tsv")):
+    raise ValueError(f"config.data.files: {path}: unsupported type; use .txt, .raw, .jsonl or .tsv")
   with open(path, "rb") as f:
     data = f.read()
+  _check_text(path, data[:_SNIFF_BYTES])
   if path.endswith(_TEXT_SUFFIXES):
-    return [_decode(d) for d in _BLANK_LINE.split(data) if d.strip()]
-  if path.endswith(".jsonl"):
-    return [_json_text(line, field) for line in data.splitlines() if line.strip()]
-  if path.endswith(".tsv"):
-    return _tsv_texts(data.splitlines(), field)
-  raise ValueError(f"config.data.files: {path}: unsupported type; use .txt, .raw, .jsonl or .tsv")
+    decoded = [_decode(d) for d in _BLANK_LINE.split(data) if d.strip()]
+  elif path.endswith(".jsonl"):
+    decoded = [_json_text(line, field) for line in data.splitlines() if line.strip()]
+  else:
+    decoded = _tsv_texts(data.splitlines(), field)
+  _warn_replaced(path, decoded)
+  return decoded
+
+
+def _check_text(path: str, head: bytes):
+  """Refuse a binary file by name before its bytes turn into undecodable documents."""
+  nul = head.find(b"\0")
+  bad = len(_ESCAPED.findall(head.decode("utf-8", "surrogateescape")))
+  if nul >= 0 or 2 * bad > len(head):
+    why = f"NUL bytes at offset {nul}" if nul >= 0 else f"{bad} of its first {len(head)} bytes are not UTF-8"
+    raise ValueError(f"config.data.files: {path} looks binary ({why}); data.files expects UTF-8 "
+                     ".txt/.raw/.jsonl/.tsv text")
+
+
+def _warn_replaced(path: str, decoded: list):
+  counts = _replaced_stats([n for _, n in decoded])
+  undecodable = sum(1 for d, _ in decoded if d == Bad("undecodable"))
+  if counts["replaced_documents"] or undecodable:
+    logging.warning("data: %s: invalid UTF-8 in %d documents, kept with %d bytes replaced by U+FFFD; %d records "
+                    "mostly not UTF-8 skipped as undecodable", path, counts["replaced_documents"],
+                    counts["replaced_bytes"], undecodable)
 
 
 def _json_text(line: bytes, field: str):
+  text, n = _decode(line)
+  if isinstance(text, Bad):
+    return text, 0
   try:
-    text = json.loads(line)[field]
-  except UnicodeDecodeError:
-    return Bad("undecodable")
+    text = json.loads(text)[field]
   except (ValueError, KeyError, TypeError):
-    return Bad("malformed")
-  return text if isinstance(text, str) else Bad("malformed")
+    return Bad("malformed"), 0
+  return (text, n) if isinstance(text, str) else (Bad("malformed"), 0)
 
 
 def _tsv_texts(lines: list, field: str) -> list:
@@ -161,17 +221,20 @@ def _tsv_texts(lines: list, field: str) -> list:
   out = []
   for line in lines:
     cells = line.split(b"\t")
-    out.append(_decode(cells[column]) if len(cells) > column else Bad("malformed"))
+    out.append(_decode(cells[column]) if len(cells) > column else (Bad("malformed"), 0))
   return out
 
 
 def _decode(raw):
+  """(text, bytes replaced): invalid UTF-8 becomes U+FFFD, one per byte; Bad if most bytes are invalid."""
   if isinstance(raw, str):
-    return raw
+    return raw, 0
+  raw = bytes(raw)
   try:
-    return bytes(raw).decode("utf-8")
+    return raw.decode("utf-8"), 0
   except UnicodeDecodeError:
-    return Bad("undecodable")
+    text, n = _ESCAPED.subn("\ufffd", raw.decode("utf-8", "surrogateescape"))
+  return (Bad("undecodable"), 0) if 2 * n > len(raw) else (text, n)
 
 
 # ----------------------------------------------------------------------------------------------- TFDS
@@ -196,10 +259,12 @@ def _tfds_documents(name: str, data_dir: str, split: str, field: str):
     records = [source[i][field] for i in range(len(source))]
   else:
     records = [r[field] for r in _tfdata_records(builder, base, name)]
-  docs = [_decode(d) for r in records for d in _BLANK_LINE.split(_as_bytes(r)) if d.strip()]
-  if not docs:
+  decoded = [_decode(d) for r in records for d in _BLANK_LINE.split(_as_bytes(r)) if d.strip()]
+  if not decoded:
     raise ValueError(f"config.data: no documents in {path}")
-  return InMemory(_apply_slice(docs, spec, path), path)
+  _warn_replaced(where, decoded)
+  docs, replaced = [d for d, _ in decoded], [n for _, n in decoded]
+  return InMemory(_apply_slice(docs, spec), path, _apply_slice(replaced, spec))
 
 
 def _as_bytes(raw):

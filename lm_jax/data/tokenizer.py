@@ -18,6 +18,7 @@ from etils import epath
 
 NUM_SENTINELS = 100
 _TRAIN_CHARS = 3_000_000      # training text sample; unigram on 1 MB takes a few seconds
+_MAX_SENTENCE_BYTES = 4192    # SentencePiece's max_sentence_length: its trainer skips longer sentences
 _SPM_SPECIALS = {
     "bert": dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
                  control_symbols=["[CLS]", "[SEP]", "[MASK]"]),
@@ -174,16 +175,39 @@ def load(path: str, family: str) -> Tokenizer:
 
 
 def train(lines, *, family: str, vocab_size: int, model_type: str = "unigram") -> bytes:
-  """Serialized SentencePiece model trained on `lines` (deterministic for the same lines)."""
+  """Serialized SentencePiece model trained on `lines` (deterministic for the same lines); lines of any
+  length (each is cut into sentences SentencePiece keeps)."""
   import sentencepiece as spm
   if model_type not in ("unigram", "bpe"):
     raise ValueError(f"config.data.tokenizer_type: {model_type!r}; use 'unigram' or 'bpe'")
   out = io.BytesIO()
   spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(lines), model_writer=out, vocab_size=vocab_size, model_type=model_type,
+      sentence_iterator=(s for line in lines for s in spm_sentences(line)), model_writer=out,
+      vocab_size=vocab_size, model_type=model_type, max_sentence_length=_MAX_SENTENCE_BYTES,
       hard_vocab_limit=False,       # a small corpus may not support the requested size: take what it has
       num_threads=2, minloglevel=2, **_SPM_SPECIALS[family])
   return out.getvalue()
+
+
+def spm_sentences(line: str, max_bytes: int = _MAX_SENTENCE_BYTES):
+  """The non-blank pieces of `line` of at most max_bytes of UTF-8, cut at the last space or tab before the
+  limit (mid-word, between characters, where the second half of a piece has none)."""
+  data = line.encode("utf-8")
+  start = 0
+  while start < len(data):
+    end = start + max_bytes
+    if end < len(data):
+      half = end - max_bytes // 2
+      cut = max(data.rfind(b" ", half, end + 1), data.rfind(b"\t", half, end + 1))
+      if cut >= 0:
+        end = cut
+      else:
+        while data[end] & 0xC0 == 0x80:    # a UTF-8 continuation byte: back to the character's start
+          end -= 1
+    piece = data[start:end]
+    if piece.strip():
+      yield piece.decode("utf-8")
+    start = end
 
 
 def spm_vocab_size(family: str, model_vocab_size: int) -> int:

@@ -7,7 +7,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm_jax import models
+from lm_jax.data import packing, rows
 from lm_jax.objectives import losses
+from lm_jax.objectives.registry import Lengths, Objective
+
+
+def lengths(config):
+  return Lengths(inputs=config.data.seq_len, targets=0, scored=config.data.seq_len)
+
+
+def row_layout(config, tokenizer):
+  """Documents each followed by eos, packed; one token of lookahead gives the last target of a row."""
+  seq_len, pad = config.data.seq_len, tokenizer.pad_id
+  return rows.Stream(width=seq_len, separator=tokenizer.eos_id, lookahead=1,
+                     build=lambda tokens, docs: packing.causal_rows(tokens, docs, seq_len, pad))
+
+
+def transform(config, tokenizer):
+  del config, tokenizer
+  return lambda batch_rows, rng: batch_rows
 
 
 def features(config):
@@ -25,11 +43,14 @@ def denominators(batch):
   return {"tokens": jnp.maximum(jnp.sum(_weights(batch)), 1.0)}
 
 
-def loss(model_cfg, params, batch, den, *, rng=None, train=False, z_loss=0.0, label_smoothing=0.0):
+def loss(config, params, batch, den, *, rng=None, train=False):
   inputs = dict(input_ids=batch["input_ids"], attention_mask=(batch["segment_ids"] > 0).astype(jnp.int32),
                 segment_ids=batch["segment_ids"], positions=batch["positions"])
-  out = models.apply(model_cfg, params, inputs, rng=rng, train=train)
-  ce = losses.cross_entropy(out["logits"], batch["targets"], _weights(batch), z_loss=z_loss,
-                            label_smoothing=label_smoothing)
+  out = models.apply(config.model, params, inputs, rng=rng, train=train)
+  ce = losses.cross_entropy(out["logits"], batch["targets"], _weights(batch), **losses.options(config))
   total = ce["loss"] / den["tokens"]
   return total, dict(loss=total, accuracy=ce["correct"] / den["tokens"], token_loss=ce["nll"] / den["tokens"])
+
+
+OBJECTIVE = Objective(name="clm", families=("gpt",), check=lambda config: None, lengths=lengths, rows=row_layout,
+                      transform=transform, features=features, denominators=denominators, loss=loss)

@@ -24,3 +24,8 @@ def cross_entropy(logits, targets, weights, *, z_loss=0.0, label_smoothing=0.0):
   weights = weights.astype(jnp.float32)
   total = lambda x: jnp.sum(jnp.where(weights != 0, x * weights, 0.0))
   return dict(loss=total(loss), nll=total(nll), correct=total(correct))
+
+
+def options(config) -> dict:
+  """The token-loss options of a config: z-loss weight and label smoothing (0 = off, the papers' setting)."""
+  return dict(z_loss=float(config.get("loss_z", 0.0)), label_smoothing=float(config.get("label_smoothing", 0.0)))

@@ -1,0 +1,56 @@
+"""The Objective record and the registry that config.objective names."""
+import dataclasses
+from typing import Callable
+
+from lm_jax import flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+  """Per-example sizes the FLOP and memory counts need: encoder (or decoder-only) input tokens, decoder
+  target tokens (0 without a decoder), and positions scored by the output head over the vocabulary."""
+  inputs: int
+  targets: int
+  scored: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """Everything specific to one training objective (see lm_jax/objectives/__init__.py)."""
+  name: str
+  families: tuple
+  check: Callable         # config -> None, or a one-line ValueError naming the field
+  lengths: Callable       # config -> Lengths
+  rows: Callable          # (config, tokenizer) -> data.rows.Stream | data.rows.PerDocument
+  transform: Callable     # (config, tokenizer) -> fn(rows dict, np.random.Generator) -> batch features
+  features: Callable      # config -> {name: (per-example shape, numpy dtype)}
+  denominators: Callable  # batch -> {name: scalar} of the FULL batch, each >= 1
+  loss: Callable          # (config, params, batch, den, *, rng, train) -> (loss, metrics); sums / den
+
+  def tokens_per_example(self, config) -> int:
+    lengths = self.lengths(config)
+    return lengths.inputs + lengths.targets
+
+  def flops_per_example(self, config) -> float:
+    """Training matmul FLOPs of one example (lm_jax.flops), the numerator of MFU."""
+    lengths = self.lengths(config)
+    return flops.train_flops_per_sequence(config.model, lengths.inputs, lengths.targets, lengths.scored)
+
+
+_REGISTRY: dict[str, Objective] = {}
+
+
+def register(objective: Objective) -> Objective:
+  """Makes `objective` available as config.objective=objective.name (a later registration replaces it)."""
+  _REGISTRY[objective.name] = objective
+  return objective
+
+
+def get(name: str) -> Objective:
+  if name not in _REGISTRY:
+    raise ValueError(f"config.objective={name!r} is unknown; known: {', '.join(sorted(_REGISTRY))}")
+  return _REGISTRY[name]
+
+
+def names() -> list[str]:
+  return sorted(_REGISTRY)
