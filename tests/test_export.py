@@ -1,5 +1,6 @@
-"""HF export/import: ours -> save_hf -> transformers, transformers -> save_pretrained -> load_hf, and the
-real all-MiniLM-L6-v2 checkpoint. Tiny unusual sizes (head dim 16, vocab 101), padding in the batch."""
+"""HF export/import: ours -> save_hf -> transformers, transformers -> save_pretrained -> load_hf, the real
+all-MiniLM-L6-v2 checkpoint, and one-line errors for damaged files. Tiny unusual sizes (head dim 16, vocab
+101), padding in the batch."""
 import functools
 import json
 import logging
