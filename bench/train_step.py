@@ -9,7 +9,7 @@ Ours is the real step: lm_jax.step.make_train_step with the config's objective a
 lm_jax.train's own setup functions, on a synthetic batch of the objective's features. FLOPs are the
 trainer's (lm_jax.flops.train_flops_per_sequence, so MFU here is the training log's MFU), cross-checked
 against XLA's cost_analysis of the compiled step. The peer trains transformers' BertForPreTraining /
-OpenAIGPTLMHeadModel / T5ForConditionalGeneration built from our config (lm_jax.models.*.hf_config), with
+OpenAIGPTLMHeadModel / T5ForConditionalGeneration built from our config (lm_jax.hf.*.hf_config), with
 torch.optim.AdamW and the same gradient clipping. T5's Adafactor is replaced by AdamW on both sides so both
 do the same work. Every measurement runs in its own subprocess (peak RSS is that process's ru_maxrss), and
 per shape the roofline, ours and the peers run back to back, so a ratio compares runs made under the same
@@ -166,8 +166,8 @@ def worker_ours(args):
 
 def _hf_model(config):
   import transformers
-  from lm_jax import models
-  fields = models.family_module(config.model).hf_config(config.model)
+  from lm_jax import hf
+  fields = hf.family_module(config.model).hf_config(config.model)
   fields.pop("architectures")
   hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
   cls = {"bert": transformers.BertForPreTraining, "gpt": transformers.OpenAIGPTLMHeadModel,

@@ -6,6 +6,8 @@ over the full L x L grid (causal masking does not skip work) and the LM head ove
 Training = 3x forward: each matmul has two backward matmuls (input and weight gradients).
 Elementwise work (softmax, norms, activations) and embedding gathers are not counted.
 """
+from lm_jax.models import layers
+from lm_jax.models.t5 import num_decoder_layers
 
 PF_DAY = 1e15 * 24 * 3600  # 8.64e19 FLOP
 
@@ -31,9 +33,13 @@ def kaplan_forward_flops_per_token(n_layer, d_model, n_ctx, d_attn=None, d_ff=No
   return float(c)
 
 
+def attention_width(model_cfg):
+  """num_heads * head_dim: the width of the query/key/value projections (Kaplan's d_attn)."""
+  return model_cfg.num_heads * layers.head_dim(model_cfg)
+
+
 def _dims(m):
-  d_attn = m.num_heads * (m.head_dim or m.d_model // m.num_heads)
-  return m.d_model, d_attn, m.d_ff
+  return m.d_model, attention_width(m), m.d_ff
 
 
 def _self_attention(m, length):
@@ -71,7 +77,7 @@ def forward_flops_per_sequence(model_cfg, seq_len, target_len=0, num_predictions
       raise ValueError(f"train_flops: t5 needs target_len > 0, got {target_len}")
     enc = m.num_layers * (_self_attention(m, seq_len) + _ffn(m, seq_len))
     dec_layer = _self_attention(m, target_len) + _cross_attention(m, target_len, seq_len) + _ffn(m, target_len)
-    dec = (m.num_decoder_layers or m.num_layers) * dec_layer
+    dec = num_decoder_layers(m) * dec_layer
     return float(enc + dec + 2 * target_len * d * v)
   raise ValueError(f"train_flops: unknown model family {m.family!r}; known: bert, gpt, t5")
 

@@ -95,7 +95,8 @@ def test_export_loads_in_transformers(trained, shared_data, tmp_path):
             f"--export_dir={out}")
   assert run.returncode == 0, run.stderr[-3000:]
   hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-  from lm_jax import export, models
+  from lm_jax import models
+  from lm_jax.hf import export
   model_cfg, params = export.load_hf(str(out))
   ids = np.arange(3, 19, dtype=np.int32)[None]
   ours = np.asarray(models.apply(model_cfg, params, {"input_ids": ids, "attention_mask": np.ones_like(ids)})["logits"])

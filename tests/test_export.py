@@ -1,5 +1,6 @@
-"""HF export/import: ours -> save_hf -> transformers, transformers -> save_pretrained -> load_hf, and the
-real all-MiniLM-L6-v2 checkpoint. Tiny unusual sizes (head dim 16, vocab 101), padding in the batch."""
+"""HF export/import: ours -> save_hf -> transformers, transformers -> save_pretrained -> load_hf, the real
+all-MiniLM-L6-v2 checkpoint, and one-line errors for damaged files. Tiny unusual sizes (head dim 16, vocab
+101), padding in the batch."""
 import functools
 import json
 import logging
@@ -9,8 +10,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+import safetensors.numpy
 
-from lm_jax import defaults, export, models
+from lm_jax import defaults, models
+from lm_jax.hf import export
 from lm_jax.models import layers
 
 torch = pytest.importorskip("torch")
@@ -160,6 +163,78 @@ def test_load_errors(tmp_path):
     export.load_hf(str(tmp_path))
   with pytest.raises(ValueError, match="head_dim == d_model"):
     export.save_hf(tiny("bert", num_heads=4, head_dim=8), {}, tmp_path / "x")
+
+
+@pytest.fixture
+def gpt_dir(tmp_path):
+  """A real tiny GPT export, to be damaged."""
+  export.save_hf(tiny("gpt"), random_params("gpt"), tmp_path)
+  return tmp_path
+
+
+def load_error(path, error=ValueError) -> str:
+  with pytest.raises(error) as e:
+    export.load_hf(str(path))
+  assert "\n" not in str(e.value)
+  return str(e.value)
+
+
+def edit_config(path, **fields):
+  config = json.loads((path / "config.json").read_text())
+  (path / "config.json").write_text(json.dumps({k: v for k, v in (config | fields).items() if v is not None}))
+
+
+def test_load_errors_name_the_file(gpt_dir):
+  weights, config = gpt_dir / "model.safetensors", gpt_dir / "config.json"
+  good_config, good_weights = config.read_text(), weights.read_bytes()
+  edit_config(gpt_dir, n_embd=None)
+  assert load_error(gpt_dir) == f"{config}: no field 'n_embd'"
+  edit_config(gpt_dir, n_embd=48, n_layer=-1)
+  assert load_error(gpt_dir) == f"{config}: model.num_layers must be a positive integer, got -1"
+  config.write_text(good_config[:40])
+  assert load_error(gpt_dir).startswith(f"{config}: not valid JSON (")
+  config.write_text("[]")
+  assert load_error(gpt_dir) == f"{config}: expected a JSON object, got list"
+  config.write_text(good_config)
+  weights.write_bytes(good_weights[:len(good_weights) // 2])
+  assert load_error(gpt_dir).startswith(f"{weights}: not a readable safetensors file (")
+  weights.unlink()
+  assert load_error(gpt_dir, FileNotFoundError).startswith(f"no *.safetensors in {gpt_dir} ")
+  config.unlink()
+  assert load_error(gpt_dir, FileNotFoundError) == f"{config} not found"
+
+
+def test_load_errors_name_the_tensor_and_its_shard(gpt_dir):
+  """Sharded as transformers does: the error names the shard that holds the tensor."""
+  tensors = safetensors.numpy.load_file(gpt_dir / "model.safetensors")
+  (gpt_dir / "model.safetensors").unlink()
+  first, second = gpt_dir / "model-00001-of-00002.safetensors", gpt_dir / "model-00002-of-00002.safetensors"
+
+  def shard(**changes):
+    damaged = {k: v for k, v in (tensors | changes).items() if v is not None}
+    safetensors.numpy.save_file({k: v for k, v in damaged.items() if ".h.1." not in k}, first)
+    safetensors.numpy.save_file({k: v for k, v in damaged.items() if ".h.1." in k}, second)
+
+  name = "transformer.h.1.attn.c_attn.weight"   # fused query/key/value: one third is 48 wide
+  shard(**{name: np.zeros((48, 143), np.float32)})
+  assert load_error(gpt_dir) == f"{second}: tensor {name!r} has shape (48, 143), expected (48, 144)"
+  shard(**{"transformer.tokens_embed.weight": np.zeros((100, 48), np.float32)})
+  assert load_error(gpt_dir) == f"{first}: tensor 'transformer.tokens_embed.weight' has shape (100, 48), expected (101, 48)"
+  shard(**{"transformer.h.1.ln_2.bias": None})
+  assert load_error(gpt_dir) == f"{gpt_dir}: tensor 'transformer.h.1.ln_2.bias' is missing"
+  shard()
+  _, p = export.load_hf(str(gpt_dir))
+  np.testing.assert_array_equal(p["layers_1"]["mlp_ln"]["bias"], tensors["transformer.h.1.ln_2.bias"])
+
+
+def test_transposed_tensor_is_refused(tmp_path):
+  """A torch Linear weight stored (in, out) has the right size; the shape check still refuses it."""
+  export.save_hf(tiny("bert"), random_params("bert"), tmp_path)
+  weights = tmp_path / "model.safetensors"
+  tensors = safetensors.numpy.load_file(weights)
+  name = "bert.encoder.layer.0.intermediate.dense.weight"
+  safetensors.numpy.save_file(tensors | {name: np.ascontiguousarray(tensors[name].T)}, weights)
+  assert load_error(tmp_path) == f"{weights}: tensor {name!r} has shape (48, 80), expected (80, 48)"
 
 
 def test_all_minilm_l6_v2_matches_transformers():

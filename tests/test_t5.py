@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from lm_jax import defaults, export, models
+from lm_jax import defaults, models
+from lm_jax.hf import export
+from lm_jax.hf import t5 as hf_t5
 from lm_jax.models import t5
 
 sys.path.insert(0, str(REPO / "configs"))
@@ -48,7 +50,7 @@ def batch():
 def params_for(v1_1: bool, scan: bool):
   if scan:
     return models.init(tiny(v1_1, True), jax.random.key(int(v1_1)))
-  return t5.from_hf(tiny(v1_1, False), t5.to_hf(tiny(v1_1, True), params_for(v1_1, True)))
+  return hf_t5.from_hf(tiny(v1_1, False), hf_t5.to_hf(tiny(v1_1, True), params_for(v1_1, True)))
 
 
 _apply = jax.jit(models.apply, static_argnums=0, static_argnames="train")
@@ -90,7 +92,7 @@ def test_parity_hf_to_ours(v1_1, scan, tmp_path):
   transformers = pytest.importorskip("transformers")
   import torch
   torch.manual_seed(0)
-  model = transformers.T5ForConditionalGeneration(transformers.T5Config(**t5.hf_config(tiny(v1_1, scan)))).eval()
+  model = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf_t5.hf_config(tiny(v1_1, scan)))).eval()
   model.save_pretrained(tmp_path)
   cfg, params = export.load_hf(str(tmp_path), scan_layers=scan)
   assert cfg.to_dict() == tiny(v1_1, scan).to_dict()   # hf_config -> T5Config -> config.json -> config_from_hf
@@ -180,6 +182,6 @@ def test_impossible_config_fails_clearly(fields, match):
 
 def test_hf_config_rejects_what_transformers_cannot_express():
   with pytest.raises(ValueError, match="gated exact-erf GELU"):
-    t5.hf_config(tiny(True, False, activation="gelu"))
+    hf_t5.hf_config(tiny(True, False, activation="gelu"))
   with pytest.raises(ValueError, match="feed_forward_proj"):
-    t5.config_from_hf(dict(t5.hf_config(tiny(False, False)), feed_forward_proj="gated-silu-x"))
+    hf_t5.config_from_hf(dict(hf_t5.hf_config(tiny(False, False)), feed_forward_proj="gated-silu-x"))

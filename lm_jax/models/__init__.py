@@ -1,13 +1,13 @@
 """Models API: init / abstract_params / logical_axes / apply / decoding, dispatched on model_cfg.family.
 
-Each family module (bert.py, gpt.py, t5.py) provides
+The family modules hold architecture only (Hugging Face conversion is lm_jax.hf). Each (bert.py, gpt.py,
+t5.py) provides
   Model                 linen Module; Model(cfg)(batch, train=False) -> dict of outputs, where cfg is the
                         model config as a FrozenConfigDict (layers.frozen)
   example_batch(cfg)    a tiny batch of the family's input keys, for init / eval_shape
   check_config(cfg)     (optional) family-specific checks, run after the generic ones in validate
   HEADS                 (optional) top-level param names that are task heads (summary counts them apart)
   init_cache, decode_step   (decoders) incremental decoding with an explicit KV-cache pytree
-  hf_config, config_from_hf, to_hf, from_hf   Hugging Face conversion (lm_jax.export)
 """
 import importlib
 import math
@@ -20,12 +20,17 @@ from lm_jax.models import layers
 FAMILIES = ("bert", "gpt", "t5")
 
 
-def family_module(model_cfg_or_family):
-  """The module of a family ('bert', 'gpt', 't5'), given its name or a model config."""
+def family_name(model_cfg_or_family) -> str:
+  """'bert', 'gpt' or 't5', given the name or a model config; a one-line ValueError for any other."""
   family = getattr(model_cfg_or_family, "family", model_cfg_or_family)
   if family not in FAMILIES:
     raise ValueError(f"unknown model.family {family!r}; known: {', '.join(FAMILIES)}")
-  return importlib.import_module(f"lm_jax.models.{family}")
+  return family
+
+
+def family_module(model_cfg_or_family):
+  """The module of a family ('bert', 'gpt', 't5'), given its name or a model config."""
+  return importlib.import_module(f"lm_jax.models.{family_name(model_cfg_or_family)}")
 
 
 def validate(model_cfg) -> None:

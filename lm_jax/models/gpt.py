@@ -3,17 +3,13 @@
 Token + learned position embeddings, layers.PostLNBlock with a causal mask, LM head tied to the
 token embeddings, N(0, initializer_range) init. Packed rows: segment_ids keep documents apart and
 positions restart per document. Incremental decoding uses an explicit KV cache (init_cache/decode).
-Also the Hugging Face mapping (OpenAIGPTLMHeadModel; its fused c_attn is split into query/key/value).
 """
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
 
-from lm_jax import defaults
 from lm_jax.models import layers
 
 HEADS = ()
@@ -94,84 +90,3 @@ def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict, attention_
   out = Model(layers.frozen(cfg)).apply({"params": params}, batch, cache=cache)
   return out["logits"], out["cache"]
 
-
-# ---- Hugging Face (OpenAIGPTLMHeadModel) ----
-
-_ACT_TO_HF = {"gelu_tanh": "gelu", "relu": "relu"}   # HF's openai "gelu" is the tanh form
-_ACT_FROM_HF = {"gelu": "gelu_tanh", "relu": "relu"}
-_QKV = ("query", "key", "value")
-
-_LAYER = [   # c_attn is fused in HF: split into the pseudo names attn.<query|key|value>.*
-    *[(f"attn.{n}.weight", ("attention", n, "kernel"), "C1") for n in _QKV],
-    *[(f"attn.{n}.bias", ("attention", n, "bias"), "flat") for n in _QKV],
-    ("attn.c_proj.weight", ("attention", "out", "kernel"), "C2"),
-    ("attn.c_proj.bias", ("attention", "out", "bias"), "same"),
-    ("ln_1.weight", ("attention_ln", "scale"), "same"),
-    ("ln_1.bias", ("attention_ln", "bias"), "same"),
-    ("mlp.c_fc.weight", ("mlp", "wi", "kernel"), "C1"),
-    ("mlp.c_fc.bias", ("mlp", "wi", "bias"), "same"),
-    ("mlp.c_proj.weight", ("mlp", "wo", "kernel"), "C1"),
-    ("mlp.c_proj.bias", ("mlp", "wo", "bias"), "same"),
-    ("ln_2.weight", ("mlp_ln", "scale"), "same"),
-    ("ln_2.bias", ("mlp_ln", "bias"), "same"),
-]
-_TOP = [
-    ("transformer.tokens_embed.weight", ("word_embeddings", "embedding"), "same"),
-    ("transformer.positions_embed.weight", ("position_embeddings", "embedding"), "same"),
-]
-
-
-def hf_config(cfg) -> dict:
-  if cfg.num_heads * layers.head_dim(cfg) != cfg.d_model or cfg.d_ff != 4 * cfg.d_model:
-    raise ValueError("HF OpenAIGPT needs num_heads * head_dim == d_model and d_ff == 4 * d_model, got "
-                     f"{cfg.num_heads} * {layers.head_dim(cfg)}, d_model {cfg.d_model}, d_ff {cfg.d_ff}")
-  if cfg.activation not in _ACT_TO_HF:
-    raise ValueError(f"HF OpenAIGPT has no activation {cfg.activation!r}; use one of {', '.join(_ACT_TO_HF)}")
-  return {
-      "architectures": ["OpenAIGPTLMHeadModel"], "model_type": "openai-gpt",
-      "vocab_size": cfg.vocab_size, "n_positions": cfg.max_positions, "n_embd": cfg.d_model,
-      "n_layer": cfg.num_layers, "n_head": cfg.num_heads, "afn": _ACT_TO_HF[cfg.activation],
-      "resid_pdrop": cfg.dropout_rate, "embd_pdrop": cfg.dropout_rate, "attn_pdrop": cfg.attention_dropout_rate,
-      "layer_norm_epsilon": cfg.layer_norm_eps, "initializer_range": cfg.initializer_range,
-      "tie_word_embeddings": True,
-  }
-
-
-def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
-  if hf["afn"] not in _ACT_FROM_HF:
-    raise ValueError(f"unsupported OpenAIGPT afn {hf['afn']!r}; known: {', '.join(_ACT_FROM_HF)}")
-  m = defaults.model_defaults("gpt")
-  m.vocab_size, m.max_positions, m.d_model = hf["vocab_size"], hf["n_positions"], hf["n_embd"]
-  m.num_layers, m.num_heads, m.d_ff = hf["n_layer"], hf["n_head"], 4 * hf["n_embd"]
-  m.activation = _ACT_FROM_HF[hf["afn"]]
-  m.dropout_rate, m.attention_dropout_rate = hf["resid_pdrop"], hf["attn_pdrop"]
-  m.layer_norm_eps, m.initializer_range = hf["layer_norm_epsilon"], hf.get("initializer_range", 0.02)
-  return m
-
-
-def to_hf(cfg, params: dict) -> dict:
-  out = layers.tree_to_hf(params, _TOP)
-  for i, layer in enumerate(layers.get_layers(params, cfg.num_layers)):
-    t = layers.tree_to_hf(layer, _LAYER, f"transformer.h.{i}.")
-    for part in ("weight", "bias"):
-      pieces = [t.pop(f"transformer.h.{i}.attn.{n}.{part}") for n in _QKV]
-      t[f"transformer.h.{i}.attn.c_attn.{part}"] = np.concatenate(pieces, axis=-1)
-    out |= t
-  return out
-
-
-def from_hf(cfg, tensors: dict) -> dict:
-  from lm_jax import models
-  shapes = models.abstract_params(layers.replace(cfg, scan_layers=False))
-  tensors = dict(tensors)
-  for i in range(cfg.num_layers):
-    for part in ("weight", "bias"):
-      fused = tensors.pop(f"transformer.h.{i}.attn.c_attn.{part}")
-      for n, piece in zip(_QKV, np.split(fused, 3, axis=-1)):
-        tensors[f"transformer.h.{i}.attn.{n}.{part}"] = piece
-  params = layers.tree_from_hf(tensors, _TOP, shapes)
-  per_layer = [layers.tree_from_hf(tensors, _LAYER, shapes[f"layers_{i}"], f"transformer.h.{i}.")
-               for i in range(cfg.num_layers)]
-  params |= layers.put_layers(per_layer, cfg.scan_layers)
-  pdt = layers.dtype(cfg.param_dtype)
-  return jax.tree.map(lambda a: jnp.asarray(a, pdt), params)

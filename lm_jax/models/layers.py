@@ -7,7 +7,7 @@ fail under jax.set_mesh (shared/TOOLCHAIN.md §3).
 
 Layer stacks (`stack`) are scanned or looped. Scanned params live under `<name>` with a leading
 'layers' axis, looped ones under `<name>_0`, `<name>_1`, ...; `get_layers` / `put_layers` convert
-between either layout and a list of per-layer trees (HF conversion uses them).
+between either layout and a list of per-layer trees.
 
 KV cache: an explicit pytree, no flax 'cache' collection. `Attention` takes one layer's
 {'k', 'v'} (B, S_max, H, Dh) and a write index, writes the new keys/values there and attends over
@@ -407,46 +407,3 @@ def put_layers(layers: Sequence[dict], scan: bool, name: str = "layers") -> dict
     return {name: jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *layers)}
   return {f"{name}_{i}": layer for i, layer in enumerate(layers)}
 
-
-# Hugging Face conversion. A table row (hf_name, path, kind) ties one HF tensor to the param at
-# `path` (tuple of keys). kind: 'same' (as is), 'flat' (HF keeps it 1-D, e.g. a (H, Dh) bias),
-# 'T<n>' a torch Linear weight (out, in) for a kernel with n input dims, 'C<n>' the same stored
-# (in, out) (GPT's Conv1D).
-
-def to_hf_array(a, kind: str) -> np.ndarray:
-  a = np.asarray(a, np.float32)
-  if kind == "same":
-    return a
-  if kind == "flat":
-    return a.reshape(-1)
-  n_in = int(kind[1:])
-  w = a.reshape(math.prod(a.shape[:n_in]), -1)
-  return np.ascontiguousarray(w.T if kind[0] == "T" else w)
-
-
-def from_hf_array(t: np.ndarray, kind: str, shape: Sequence[int]) -> np.ndarray:
-  t = np.asarray(t, np.float32)
-  if kind[0] == "T":
-    t = t.T
-  if t.size != math.prod(shape):
-    raise ValueError(f"HF tensor of shape {t.shape} does not fit param shape {tuple(shape)}")
-  return t.reshape(shape)
-
-
-def tree_to_hf(tree: dict, table, prefix: str = "") -> dict[str, np.ndarray]:
-  return {prefix + hf: to_hf_array(functools.reduce(lambda t, k: t[k], path, tree), kind)
-          for hf, path, kind in table}
-
-
-def tree_from_hf(tensors: dict, table, shapes: dict, prefix: str = "") -> dict:
-  """Nested param tree for `table` from HF tensors; `shapes` is a tree of (Abstract) arrays."""
-  out = {}
-  for hf, path, kind in table:
-    node = out
-    for k in path[:-1]:
-      node = node.setdefault(k, {})
-    if prefix + hf not in tensors:
-      raise ValueError(f"checkpoint lacks tensor {prefix + hf!r}")
-    shape = functools.reduce(lambda t, k: t[k], path, shapes).shape
-    node[path[-1]] = from_hf_array(tensors[prefix + hf], kind, shape)
-  return out

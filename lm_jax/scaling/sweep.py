@@ -57,8 +57,7 @@ def sized(config, layers, d_model, steps):
 
 def matmul_params(m):
   """Non-embedding params (Kaplan) plus the LM head: 6 N per token ~ training FLOPs."""
-  d_attn = m.num_heads * (m.head_dim or m.d_model // m.num_heads)
-  return flops.kaplan_params(m.num_layers, m.d_model, d_attn, m.d_ff) + m.d_model * m.vocab_size
+  return flops.kaplan_params(m.num_layers, m.d_model, flops.attention_width(m), m.d_ff) + m.d_model * m.vocab_size
 
 
 def shared_tokenizer(config, workdir):
