@@ -234,7 +234,7 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
 
 
 def export_checkpoint(config, workdir: str, export_dir: str):
-  """The latest checkpoint's params as a Hugging Face directory (lm_jax.export.save_hf)."""
+  """The latest checkpoint's params as a Hugging Face directory (lm_jax.hf.export.save_hf)."""
   from lm_jax.hf import export
   _, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
