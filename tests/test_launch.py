@@ -232,7 +232,7 @@ def test_memory_params_and_adam_state_are_exact_and_split_by_fsdp():
   from lm_jax import memory
   config = _config("gpt1", "gpt1")
   one = memory.estimate(config, mesh=(1, 1, 1))
-  assert one.params == 116_534_784 * 4                      # REFERENCE.md exact GPT-1 count, float32
+  assert one.params == 116_534_784 * 4                      # docs/reference.md#parameter-counts, float32
   assert one.grads == one.params
   assert 0 <= one.opt_state - 2 * one.params < 64            # Adam mu + nu, plus int32 step counters
   fsdp = memory.estimate(config, mesh=(1, 8, 1))
