@@ -2,7 +2,7 @@
 v1_1_small, v1_1_base, v1_1_large, v1_1_xl, v1_1_xxl (gated-GELU, untied head), tiny (CPU)."""
 from lm_jax import defaults
 
-SIZES = {  # d_model, d_ff, heads, layers per stack (REFERENCE.md §3.1)
+SIZES = {  # d_model, d_ff, heads, layers per stack (docs/reference.md#t5-sizes)
     "small": (512, 2048, 8, 6),
     "base": (768, 3072, 12, 12),
     "large": (1024, 4096, 16, 24),

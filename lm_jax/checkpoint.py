@@ -2,7 +2,8 @@
 
 Orbax writes each step to a temporary folder and renames it when complete, so a run killed mid-save
 resumes from the previous complete step. Restoring takes an abstract target carrying the CURRENT
-mesh's shardings, so a checkpoint written on one mesh loads onto another (TOOLCHAIN §5).
+mesh's shardings, so a checkpoint written on one mesh loads onto another
+(docs/toolchain.md#restoring-onto-another-mesh).
 """
 import json
 import os

@@ -11,13 +11,26 @@ Launchers recognised (first match wins):
           MEGASCALE_COORDINATOR_ADDRESS set): JAX reads the slice topology from the metadata server.
 """
 import os
+import pathlib
 
 import jax
-from jax._src import hardware_utils  # JAX's own PCI scan: the TPU device ids change with each generation
+
+# Google's PCI vendor id and its TPU chips' device ids (v2/v3, unnamed, v4, v5p, v5e, v6e, TPU7x): JAX's own
+# table, which grows with each generation (docs/toolchain.md#tpu-detection).
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
 
 
-def _has_tpu_chips() -> bool:
-  return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+def _has_tpu_chips(pci_devices: str = "/sys/bus/pci/devices") -> bool:
+  """A TPU chip on the PCI bus; other Google devices (e.g. the gVNIC network card) share the vendor id."""
+  for device in pathlib.Path(pci_devices).glob("*"):
+    try:
+      vendor, device_id = ((device / name).read_text().strip() for name in ("vendor", "device"))
+    except OSError:  # not a readable PCI device entry
+      continue
+    if vendor == _GOOGLE_PCI_VENDOR and device_id in _TPU_PCI_DEVICES:
+      return True
+  return False
 
 
 def launcher() -> str:

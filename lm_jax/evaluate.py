@@ -2,7 +2,8 @@
 
 Eval batches have the same number of rows, and for packed text nearly the same number of scored
 tokens, so batch means are averaged with equal weights. token_loss is the mean NLL in nats per scored
-token (REFERENCE.md §8): perplexity = e^token_loss, bits per byte = token_loss / ln 2 / (bytes per token).
+token: perplexity = e^token_loss, bits per byte = token_loss / ln 2 / (bytes per token)
+(docs/reference.md#eval-metrics).
 """
 import math
 

@@ -1,6 +1,6 @@
 """Optimizers and learning-rate schedules from `config.optimizer` (optax, plus one written-out Adam).
 
-The papers' recipes (REFERENCE.md §1.2, §2, §3.3):
+The papers' recipes (docs/reference.md#optimizers):
   bert_adamw  Adam + decoupled weight decay (lr * wd * param) skipped for LayerNorm and biases, eps 1e-6,
               no bias correction (google-research/bert AdamWeightDecayOptimizer).
   adam_l2     GPT-1: Adam + the "modified L2" of openai/finetune-transformer-lm opt.py, which is the same

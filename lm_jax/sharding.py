@@ -47,7 +47,8 @@ def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(config, devices=None) -> Mesh:
-  """Mesh over all devices (or `devices`), Auto axis types so logical constraints work (TOOLCHAIN §3)."""
+  """Mesh over all devices (or `devices`), Auto axis types so logical constraints work
+  (docs/toolchain.md#mesh-axis-types)."""
   devices = jax.devices() if devices is None else list(devices)
   shape = mesh_shape(config, len(devices))
   if len(devices) == jax.device_count():  # topology-aware device order on TPU/GPU

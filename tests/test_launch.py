@@ -184,6 +184,21 @@ def test_launcher_detection(monkeypatch, env, kind):
   assert distributed.launcher() == kind
 
 
+@pytest.mark.parametrize("devices,found", [
+    ([], False),
+    ([("0x1ae0", "0x0042"), ("0x10de", "0x005e")], False),  # Google's gVNIC; NVIDIA's vendor with a TPU device id
+    ([("0x8086", "0x1237"), ("0x1ae0", "0x005e")], True),   # a TPU v4 chip
+    ([("0x1ae0", "0x0063\n")], True),                       # v5e, sysfs's trailing newline
+])
+def test_tpu_chips_from_pci_ids(tmp_path, devices, found):
+  for i, (vendor, device) in enumerate(devices):
+    (tmp_path / f"0000:00:0{i}.0").mkdir()
+    (tmp_path / f"0000:00:0{i}.0" / "vendor").write_text(vendor)
+    (tmp_path / f"0000:00:0{i}.0" / "device").write_text(device)
+  (tmp_path / "not_a_device").mkdir()                      # no vendor file: skipped
+  assert distributed._has_tpu_chips(str(tmp_path)) is found
+
+
 @pytest.mark.parametrize("ntasks,nodes,gpus,expected", [
     ("16", "2", "8", None),                          # one task per GPU: JAX binds SLURM_LOCALID
     ("2", "2", "8", list(range(8))),                 # one task per node drives all 8 GPUs
@@ -217,7 +232,7 @@ def test_memory_params_and_adam_state_are_exact_and_split_by_fsdp():
   from lm_jax import memory
   config = _config("gpt1", "gpt1")
   one = memory.estimate(config, mesh=(1, 1, 1))
-  assert one.params == 116_534_784 * 4                      # REFERENCE.md exact GPT-1 count, float32
+  assert one.params == 116_534_784 * 4                      # docs/reference.md#parameter-counts, float32
   assert one.grads == one.params
   assert 0 <= one.opt_state - 2 * one.params < 64            # Adam mu + nu, plus int32 step counters
   fsdp = memory.estimate(config, mesh=(1, 8, 1))

@@ -1,4 +1,4 @@
-"""Scaling laws: constants vs REFERENCE.md §4, allocation, FLOP counts, fitting, CLI, sweep."""
+"""Scaling laws: constants vs docs/reference.md#scaling-laws, allocation, FLOP counts, fitting, CLI, sweep."""
 import ml_collections
 import numpy as np
 import pytest
@@ -14,7 +14,7 @@ def _model(family, **kw):
   return m
 
 
-# ---------------------------------------------------------------- constants (REFERENCE.md §4)
+# ---------------------------------------------------------------- constants (docs/reference.md#scaling-laws)
 
 def test_constants_match_reference():
   c, e = scaling.CHINCHILLA, scaling.EPOCH
@@ -25,7 +25,7 @@ def test_constants_match_reference():
   assert scaling.KAPLAN_ND == dict(alpha_n=0.076, alpha_d=0.103, n_c=6.4e13, d_c=1.8e13)
   assert scaling.KAPLAN_C_MIN["alpha"] == 0.050 and scaling.KAPLAN_C_MIN["c_c"] == pytest.approx(3.1e8 * 8.64e19)
   assert PF_DAY == 8.64e19
-  # The source notes' wrong constants must not be what we ship.
+  # Misquoted constants (docs/reference.md#scaling-laws) must not be what we ship.
   assert c.A != 4.06e8 and c.B != 1.69e9 and c.E != 1.46
 
 
@@ -59,11 +59,11 @@ def test_allocation_gives_the_papers_numbers():
   c, e = scaling.CHINCHILLA, scaling.EPOCH
   assert c.a == pytest.approx(0.46, abs=0.01) and c.b == pytest.approx(0.54, abs=0.01)  # Chinchilla Table 2 (A3)
   assert e.a == pytest.approx(0.513, abs=5e-4)                                        # Epoch: a = 0.513
-  # Tokens per parameter implied by each fit (REFERENCE.md §4.3).
+  # Tokens per parameter implied by each fit (docs/reference.md#scaling-laws).
   for flops, ratio_c, ratio_e in [(1e21, 50, 21.6), (1e23, 78, 19.2), (5.88e23, 93, 18.4), (1e25, 122, 17.1)]:
     assert scaling.allocate(flops)["tokens_per_param"] == pytest.approx(ratio_c, abs=0.6)
     assert scaling.allocate(flops, "epoch")["tokens_per_param"] == pytest.approx(ratio_e, abs=0.06)
-  # Not N = D = sqrt(C/6) (the source notes' error).
+  # Not N = D = sqrt(C/6) (a misquote).
   out = scaling.allocate(5.76e23)
   assert out["D_opt"] / out["N_opt"] > 10
   assert out["loss"] == pytest.approx(c.loss(out["N_opt"], out["D_opt"]))
@@ -97,7 +97,7 @@ def test_gpt_train_flops_by_hand():
   n = scaling.kaplan_params(2, 64, 64, 256) + 64 * 512      # non-embedding + LM head
   want = 6 * n * seq + 3 * 2 * 2 * 2 * seq * seq * 64        # + QK^T and AV over the full L x L grid
   assert scaling.train_flops_per_sequence(m, seq) == want
-  # The TOOLCHAIN.md GPT-2-small step (batch 8 x 128): 6 N T + 12 L d T^2 per sequence ~ 774 GFLOP.
+  # A GPT-2-small step (batch 8 x 128): 6 N T + 12 L d T^2 per sequence ~ 774 GFLOP (docs/reference.md#flop-counts).
   g = _model("gpt", vocab_size=50304, d_model=768, num_layers=12, num_heads=12, d_ff=3072)
   assert 8 * scaling.train_flops_per_sequence(g, 128) == pytest.approx(774.4e9, rel=2e-3)
 

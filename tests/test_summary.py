@@ -1,4 +1,4 @@
-"""--mode=summary: exact parameter counts (REFERENCE.md) from shapes alone."""
+"""--mode=summary: exact parameter counts (docs/reference.md#parameter-counts) from shapes alone."""
 import pathlib
 import runpy
 import subprocess

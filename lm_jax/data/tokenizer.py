@@ -17,7 +17,7 @@ import numpy as np
 from etils import epath
 
 NUM_SENTINELS = 100
-_TRAIN_CHARS = 3_000_000      # training text sample; unigram on 1 MB takes a few seconds
+_TRAIN_CHARS = 3_000_000      # training text sample: SentencePiece's training time grows with it (bench/README.md)
 _MAX_SENTENCE_BYTES = 4192    # SentencePiece's max_sentence_length: its trainer skips longer sentences
 _SPM_SPECIALS = {
     "bert": dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",

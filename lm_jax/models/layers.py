@@ -3,7 +3,7 @@
 Every parameter carries logical axis names (nn.with_logical_partitioning) and the main activations a
 logical sharding constraint, so lm_jax.sharding maps both onto a mesh by rules. Multi-dimensional
 kernels are made with self.param + dot_general rather than nn.DenseGeneral, whose multi-dim kernels
-fail under jax.set_mesh (shared/TOOLCHAIN.md §3).
+fail under jax.set_mesh (docs/toolchain.md#multi-dimensional-kernels).
 
 Layer stacks (`stack`) are scanned or looped. Scanned params live under `<name>` with a leading
 'layers' axis, looped ones under `<name>_0`, `<name>_1`, ...; `get_layers` / `put_layers` convert
@@ -219,7 +219,8 @@ def make_attention_mask(key_mask: jax.Array | None = None, *, causal: bool = Fal
 @jax.custom_vjp
 def add_batch_shared(x: jax.Array, bias: jax.Array) -> jax.Array:
   """x (B, ...) + bias (1, ...). Autodiff would sum the bias gradient over the batch with a reduction that
-  XLA:CPU runs at 0.5 GB/s (53 ms per T5-base layer at batch 4); a ones-vector matmul sums it in 1.6 ms."""
+  XLA:CPU runs far below memory bandwidth; a ones-vector matmul sums it many times faster
+  (bench/README.md#measurements-behind-design-choices)."""
   return x + bias
 
 
@@ -241,7 +242,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax
 
   Off the CPU and without dropout it is jax.nn.dot_product_attention (fused kernels where the backend
   has them); dropout on the probabilities needs the explicit form, which on a CPU is also the faster
-  one (fwd + bwd of BERT-base's attention: 11 ms vs 14 ms). Logits and softmax are float32; a fully
+  one (bench/README.md#measurements-behind-design-choices). Logits and softmax are float32; a fully
   masked row gives a uniform average, never NaN.
   """
   scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -6,10 +6,10 @@ The grid (alpha, beta in {0, .5, .., 2}, e in {-1, -.5, .., 1}, a, b in {0, 5, .
 starts. L-BFGS runs on all starts at once (one jitted, batched JAX program: two-loop recursion and a line
 search over a fixed grid of step sizes, so no start waits on another) in float32; the best few distinct
 minima are then refined in float64 the same way. (scipy's L-BFGS-B reaches the same optimum, see the tests,
-but one start at a time: 4500 of them take minutes.)
+but one start at a time, far slower over 4500 starts: bench/README.md.)
 Bootstrap: resample runs with replacement, as multinomial weights on the runs, and refit every resample
 at once from the full fit's optimum (plus a few perturbed starts): its optimum sits next to the full-data
-one, so the 4500-start grid is not needed there, which keeps 200 resamples to seconds.
+one, so the 4500-start grid is not needed there, which keeps hundreds of resamples cheap.
 Approach 2 (§3.2): a parabola in log N per IsoFLOP budget gives N_opt(C); a line in log-log gives a, b.
 """
 import csv

@@ -2,7 +2,7 @@
 
 Loss in nats/token. Kaplan et al. 2020 (WebText2; N = non-embedding params); Hoffmann et al. 2022
 (Chinchilla, Approach 3, App. D.2 eq. 10); Besiroglu et al. 2024 (Epoch AI refit of the same data).
-Constants: ../shared/REFERENCE.md §4. C in FLOPs everywhere; Kaplan's PF-day constants are converted.
+Constants and sources: docs/reference.md#scaling-laws. C in FLOPs everywhere; Kaplan's PF-day constants are converted.
 """
 import dataclasses
 
