@@ -87,7 +87,7 @@ def _convert(field: str, value, old):
   if isinstance(value, str) and kind is not str:
     try:
       value = _parse(value, kind)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+    except (ValueError, SyntaxError, TypeError):
       raise ConfigError(f"config field {field!r} expects {_TYPE_NAMES.get(kind, kind.__name__)}, "
                         f"got {value!r}") from None
   if kind is float and type(value) is int:
@@ -121,7 +121,7 @@ def _parse(text: str, kind: type):
 def _suggestion(config, field: str) -> str:
   """'; did you mean X?': a close name in the same group, a name whose initials match (learning_rate -> lr),
   the same name in another group, or a close dotted path."""
-  paths = _paths(config)
+  paths = list(_fields(config))
   parent, _, leaf = field.rpartition(".")
   siblings = {p.rpartition(".")[2]: p for p in paths if p.rpartition(".")[0] == parent}
   initials = lambda name: "".join(w[0] for w in name.split("_") if w)
@@ -132,12 +132,13 @@ def _suggestion(config, field: str) -> str:
   return f"; did you mean {best[0]!r}?" if best else ""
 
 
-def _paths(config, prefix="") -> list[str]:
-  out = []
+def _fields(config, prefix="") -> dict:
+  """Dotted path -> value of every field and group."""
+  out = {}
   for key, value in config.items():
-    out.append(prefix + key)
+    out[prefix + key] = value
     if isinstance(value, ml_collections.ConfigDict):
-      out += _paths(value, f"{prefix}{key}.")
+      out.update(_fields(value, f"{prefix}{key}."))
   return out
 
 
@@ -207,12 +208,11 @@ def _validate(config, num_devices, process_count):
 
 def _check_numbers(config):
   """Every float finite, RANGES, eval batches when evaluating, token ids inside the vocabulary."""
-  for path in _paths(config):
-    value = _get(config, path)
+  fields = _fields(config)
+  for path, value in fields.items():
     _require(not isinstance(value, float) or math.isfinite(value), f"config.{path} must be finite, got {value}")
   for path, (rule, ok) in RANGES.items():
-    value = _get(config, path)
-    _require(ok(value), f"config.{path} must be {rule}, got {value!r}")
+    _require(ok(fields[path]), f"config.{path} must be {rule}, got {fields[path]!r}")
   _require(not config.eval_every or config.data.eval_batches >= 1,
            f"config.data.eval_batches must be >= 1 when config.eval_every={config.eval_every} evaluates, got "
            f"{config.data.eval_batches}")
@@ -220,12 +220,6 @@ def _check_numbers(config):
   for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
     _require(0 <= m[name] < m.vocab_size,
              f"config.model.{name}={m[name]} must be in [0, model.vocab_size={m.vocab_size})")
-
-
-def _get(config, path: str):
-  for key in path.split("."):
-    config = config[key]
-  return config
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -239,7 +233,7 @@ def parse_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     if arg == "--":  # the rest is positional
       rest += [arg, *args]
       break
-    elif arg.startswith("--config."):
+    if arg.startswith("--config."):
       value = None if "=" in arg else next(args, None)
       if value is not None and value.startswith("--"):  # not a value: the next flag
         rest.append(value)
@@ -261,14 +255,14 @@ def user_errors():
   error with LM_JAX_TRACEBACK=1."""
   try:
     yield
-  except Exception as e:  # noqa: BLE001 (re-raised unless it is the user's)
-    code = exit_code(e)
+  except Exception as e:  # re-raised unless it is the user's
+    code = _exit_code(e)
     if code is None or os.environ.get("LM_JAX_TRACEBACK") == "1":
       raise
     _fail(e, code)
 
 
-def exit_code(e: BaseException) -> int | None:
+def _exit_code(e: BaseException) -> int | None:
   """2 for usage and config errors, 1 for other user errors, None for internal errors (see user_errors)."""
   if isinstance(e, (ConfigError, app.UsageError)):
     return 2

@@ -26,7 +26,7 @@ REFERENCE = """
 import sys
 import numpy as np
 from absl import app
-from lm_jax import main
+from lm_jax import config_lib, main
 from lm_jax.data import pipeline
 
 make = pipeline.make_train_iterator
@@ -44,7 +44,7 @@ class TwoHosts:
       h.close()
 
 pipeline.make_train_iterator = lambda config, tokenizer, **unused: TwoHosts(config, tokenizer)
-app.run(main.main, argv=sys.argv)
+app.run(main.main, argv=sys.argv, flags_parser=config_lib.parse_flags)
 """
 
 
