@@ -22,16 +22,15 @@ import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from configs import bert, gpt1, t5  # noqa: E402
-from lm_jax import models, objectives, optim, sharding, step  # noqa: E402
+from lm_jax import config_lib, models, objectives, optim, sharding, step  # noqa: E402
 from lm_jax.data import pipeline, tokenizer  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DATA = os.environ.get("LM_JAX_DATA", str(REPO.parent / "shared" / "data"))
 CASES = [  # name, config, pipeline batches to time, train-step batch
-    ("mlm+nsp  BERT-base seq 128", lambda: bert.get_config("base"), 8, 8),
-    ("clm      GPT-1 seq 512", lambda: gpt1.get_config("gpt1"), 32, 2),
-    ("span     T5-base 512->114", lambda: t5.get_config("base"), 16, 2),
+    ("mlm+nsp  BERT-base seq 128", "configs/bert.py:base", 8, 8),
+    ("clm      GPT-1 seq 512", "configs/gpt1.py:gpt1", 32, 2),
+    ("span     T5-base 512->114", "configs/t5.py:base", 16, 2),
 ]
 
 
@@ -88,11 +87,9 @@ def main():
         f"load average at start {os.getloadavg()[0]:.1f} (a shared machine slows both sides)")
   print(f"{'objective / model':30s} {'pipeline tok/s':>15s} {'train-step tok/s':>17s} {'ratio':>8s}")
   worst = float("inf")
-  for name, make, batches, step_batch in CASES:
-    config = make()
-    config.data.files = args.data
-    config.data.tfds_name = ""
-    config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
+  for name, spec, batches, step_batch in CASES:
+    config = config_lib.load(spec, {"data.files": args.data, "data.tfds_name": "", "model.dropout_rate": 0.0,
+                                    "model.attention_dropout_rate": 0.0})
     tok = _tokenizer(config, args.workdir)
     rate, it = pipeline_rate(config, tok, batches)
     small = {k: v[:step_batch] for k, v in next(it).items()}

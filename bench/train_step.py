@@ -45,12 +45,9 @@ PEERS = ("eager", "compiled")
 # ------------------------------------------------------------------------------------------------ config, batch
 def load_config(shape, args):
   """The shape's config from configs/*.py with the benchmark's batch, dtype and --set overrides."""
-  import importlib.util
+  from lm_jax import config_lib
   file, variant, seq_len, _ = SHAPES[shape]
-  spec = importlib.util.spec_from_file_location(f"configs_{file}", os.path.join(REPO, "configs", f"{file}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(QUICK[file] if args.quick else variant)
+  config = config_lib.load(os.path.join(REPO, "configs", f"{file}.py:{QUICK[file] if args.quick else variant}"))
   config.data.seq_len = seq_len // 4 if args.quick else seq_len
   if config.model.family == "bert":  # BERT's create_pretraining_data: round(0.15 * seq_len), 20 at 128
     config.data.max_predictions_per_seq = max(1, round(0.15 * config.data.seq_len))
@@ -60,15 +57,7 @@ def load_config(shape, args):
   config.model.dtype = args.dtype
   config.total_steps = config.phase_end_step = 10_000
   config.optimizer.warmup_steps = 100
-  for item in args.set:
-    key, _, value = item.partition("=")
-    *path, leaf = key.split(".")
-    node = config
-    for k in path:
-      node = node[k]
-    old = node[leaf]
-    node[leaf] = (value.lower() == "true") if isinstance(old, bool) else type(old)(value)
-  return config
+  return config_lib.override(config, args.set)
 
 
 def batch_size(shape, args) -> int:

@@ -10,19 +10,19 @@ from lm_jax import defaults
 SIZES = {  # layers, d_model, heads, d_ff (paper §3)
     "base": (12, 768, 12, 3072),
     "large": (24, 1024, 16, 4096),
-    "tiny": (2, 128, 4, 512),
 }
 
 
 def get_config(arg="base"):
   size, _, phase = arg.partition("_")
-  if size not in SIZES or phase not in ("", "512"):
+  if size not in (*SIZES, "tiny") or phase not in ("", "512"):
     raise ValueError(f"configs/bert.py: unknown variant {arg!r}; use base, large, base_512, large_512, tiny, tiny_512")
   c = defaults.base_config()
   c.objective = "mlm"
 
   m = c.model = defaults.model_defaults("bert")
-  m.num_layers, m.d_model, m.num_heads, m.d_ff = SIZES[size]
+  if size in SIZES:
+    m.num_layers, m.d_model, m.num_heads, m.d_ff = SIZES[size]
   m.vocab_size = 30522
   m.max_positions = 512
   m.type_vocab_size = 2
@@ -56,19 +56,9 @@ def get_config(arg="base"):
     c.phase_end_step = 0                 # to total_steps
 
   if size == "tiny":  # phase 1 at seq 64 for 90% of 200 steps; tiny_512 finishes at seq 128
-    m.vocab_size = 2048
+    defaults.tiny(c)
     m.max_positions = 128
-    m.dropout_rate = m.attention_dropout_rate = 0.0
-    c.data.tfds_name = "tiny_shakespeare"
-    c.data.train_split, c.data.eval_split = "train", "validation"
-    c.data.tokenizer_type = "unigram"
     c.data.seq_len, c.data.max_predictions_per_seq = (128, 20) if phase else (64, 10)
     c.optimizer.lr = 1e-3
-    c.optimizer.warmup_steps = 20
-    c.batch_size = 32
-    c.total_steps = 200
     c.phase_end_step = 0 if phase else 180
-    c.log_every = 20
-    c.eval_every = 100
-    c.checkpoint_every = 100
   return c

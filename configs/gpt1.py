@@ -36,18 +36,7 @@ def get_config(arg="gpt1"):
   c.checkpoint_every = 10_000
 
   if arg == "tiny":
-    m.num_layers, m.d_model, m.num_heads, m.d_ff = 2, 128, 4, 512
-    m.vocab_size = 2048
+    defaults.tiny(c)
     m.max_positions = 128
-    m.dropout_rate = m.attention_dropout_rate = 0.0
-    c.data.tfds_name = "tiny_shakespeare"
-    c.data.train_split, c.data.eval_split = "train", "validation"
-    c.data.seq_len = 128
     c.optimizer.lr = 1e-3
-    c.optimizer.warmup_steps = 20
-    c.batch_size = 32
-    c.total_steps = 200
-    c.log_every = 20
-    c.eval_every = 100
-    c.checkpoint_every = 100
   return c

@@ -11,18 +11,18 @@ SIZES = {  # d_model, d_ff, heads, layers per stack (docs/reference.md#t5-sizes)
     "v1_1_large": (1024, 2816, 16, 24),
     "v1_1_xl": (2048, 5120, 32, 24),
     "v1_1_xxl": (4096, 10240, 64, 24),
-    "tiny": (128, 512, 4, 2),
 }
 
 
 def get_config(arg="base"):
-  if arg not in SIZES:
-    raise ValueError(f"configs/t5.py: unknown variant {arg!r}; use one of {', '.join(SIZES)}")
+  if arg not in (*SIZES, "tiny"):
+    raise ValueError(f"configs/t5.py: unknown variant {arg!r}; use one of {', '.join(SIZES)}, tiny")
   c = defaults.base_config()
   c.objective = "span_corruption"
 
   m = c.model = defaults.model_defaults("t5")
-  m.d_model, m.d_ff, m.num_heads, m.num_layers = SIZES[arg]
+  if arg in SIZES:
+    m.d_model, m.d_ff, m.num_heads, m.num_layers = SIZES[arg]
   m.head_dim = 64
   m.vocab_size = 32128
   m.layer_norm_eps = 1e-6
@@ -51,17 +51,7 @@ def get_config(arg="base"):
   c.eval_every = 10_000
   c.checkpoint_every = 5_000
 
-  if arg == "tiny":
-    m.vocab_size = 2048
+  if arg == "tiny":                      # seq 128 -> targets 29; lr 1/sqrt(max(step, 20)) ~ 0.22
+    defaults.tiny(c)
     m.head_dim = 32
-    m.dropout_rate = m.attention_dropout_rate = 0.0
-    c.data.tfds_name = "tiny_shakespeare"
-    c.data.train_split, c.data.eval_split = "train", "validation"
-    c.data.seq_len = 128                 # -> targets 29
-    c.optimizer.warmup_steps = 20        # lr 1/sqrt(max(step, 20)) ~ 0.22
-    c.batch_size = 32
-    c.total_steps = 200
-    c.log_every = 20
-    c.eval_every = 100
-    c.checkpoint_every = 100
   return c

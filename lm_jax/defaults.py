@@ -91,3 +91,21 @@ def model_defaults(family: str) -> ml_collections.ConfigDict:
   m.eos_token_id = 1
   m.decoder_start_token_id = 0
   return m
+
+
+def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Makes `c` the `tiny` variant every configs/*.py offers: a 2-layer, d_model-128 model without dropout on
+  Tiny Shakespeare at seq 128, batch 32, 200 steps, so a whole run fits on a CPU. The config sets what is
+  specific to its model and objective on top (positions, learning rate, head_dim, phases)."""
+  m = c.model
+  m.num_layers, m.d_model, m.num_heads, m.d_ff = 2, 128, 4, 512
+  m.vocab_size = 2048
+  m.dropout_rate = m.attention_dropout_rate = 0.0
+  c.data.tfds_name = "tiny_shakespeare"
+  c.data.train_split, c.data.eval_split = "train", "validation"
+  c.data.seq_len = 128
+  c.optimizer.warmup_steps = 20
+  c.batch_size = 32
+  c.total_steps = 200
+  c.log_every, c.eval_every, c.checkpoint_every = 20, 100, 100
+  return c

@@ -1,25 +1,31 @@
-"""Command line: `python -m lm_jax.main --config=configs/gpt1.py:tiny --workdir=DIR [--mode=...]`.
+"""Command line: `python -m lm_jax.main --config=configs/gpt1.py:tiny --workdir=DIR [--mode=...]
+[--config.FIELD=VALUE ...]`.
 
 Every mode reads the same config, so the run that trained a model is the one that evaluates,
-exports and summarises it.
+exports and summarises it. A user's mistake prints one line `error: ...` on stderr and exits 2 (flags,
+config) or 1 (data, checkpoints, files); see lm_jax.config_lib.user_errors.
 """
 from lm_jax import malloc
 
 malloc.keep_freed_memory()  # before anything starts JAX's backend
 
 from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<variant>", lock_config=True)
+from lm_jax import config_lib  # noqa: E402
+
+_CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary"], "what to do")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
 
 
-def main(argv):
-  del argv
-  config = _CONFIG.value
-  mode = _MODE.value
+def main(args):
+  _, overrides = args
+  with config_lib.user_errors():
+    _run(config_lib.load(_CONFIG.value, overrides), _MODE.value)
+
+
+def _run(config, mode):
   if mode == "summary":
     from lm_jax import summary
     summary.print_summary(config)
@@ -40,4 +46,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=config_lib.parse_flags)

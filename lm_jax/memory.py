@@ -159,14 +159,16 @@ def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
 
 if __name__ == "__main__":
   from absl import app, flags
-  from ml_collections import config_flags
 
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<variant>", lock_config=True)
+  from lm_jax import config_lib
+
+  _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
   _DEVICES = flags.DEFINE_integer("devices", None, "number of devices (default: this host's jax.device_count())")
 
-  def _main(argv):
-    del argv
-    print(estimate(_CONFIG.value, num_devices=_DEVICES.value))
+  def _main(args):
+    _, overrides = args
+    with config_lib.user_errors():
+      print(estimate(config_lib.load(_CONFIG.value, overrides), num_devices=_DEVICES.value))
 
   flags.mark_flags_as_required(["config"])
-  app.run(_main)
+  app.run(_main, flags_parser=config_lib.parse_flags)

@@ -80,7 +80,7 @@ def test_checkpoint_of_another_model_is_a_one_line_error(trained, shared_data):
   objective, workdir, *_ = trained
   run = cli(*flags(objective, shared_data, total_steps=120, **{"model.d_model": 64}), f"--workdir={workdir}")
   assert run.returncode != 0
-  error = [line for line in run.stderr.splitlines() if line.startswith("ValueError")]
+  error = [line for line in run.stderr.splitlines() if line.startswith("error:")]
   assert error and "model.d_model=32" in error[-1] and "model.d_model=64" in error[-1]
 
 

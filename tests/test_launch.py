@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lm_jax import distributed
+from lm_jax import config_lib, distributed
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -221,11 +221,7 @@ def test_single_process_is_a_no_op_and_main():
 # --- lm_jax.memory --------------------------------------------------------------------------------
 
 def _config(name, variant):
-  sys.path.insert(0, str(REPO / "configs"))
-  try:
-    return __import__(name).get_config(variant)
-  finally:
-    sys.path.pop(0)
+  return config_lib.load(f"configs/{name}.py:{variant}")
 
 
 def test_memory_params_and_adam_state_are_exact_and_split_by_fsdp():
@@ -267,14 +263,13 @@ def test_memory_activations_follow_rows_tensor_and_remat():
 
 
 MEASURE = """
-import json, sys
+import json
 import jax
 from flax import linen as nn
-sys.path.insert(0, "configs")
-from lm_jax import sharding, step
+from lm_jax import config_lib, sharding, step
 out = {}
 for name, variant, mesh in (("gpt1", "tiny", (2, 2, 2)), ("t5", "tiny", (1, 4, 2)), ("gpt1", "tiny", (1, 8, 1))):
-  config = __import__(name).get_config(variant)
+  config = config_lib.load(f"configs/{name}.py:{variant}")
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
   m = sharding.make_mesh(config)
   tx, _, _, state_sh = step.state_layout(config, m, sharding.rules(config))

@@ -65,15 +65,12 @@ def resume_from_step_6(src, dst):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shared_data):
   """Workdirs of the 2-process run and the 1-process run (same tokenizer)."""
+  from lm_jax import config_lib
   from lm_jax.data import tokenizer
-  sys.path.insert(0, str(REPO / "configs"))
-  import gpt1
-  sys.path.pop(0)
   root = tmp_path_factory.mktemp("multihost")
   overrides = dict(OVERRIDES, **{"data.files": str(shared_data / "tiny_shakespeare" / "input.txt")})
-  config = gpt1.get_config("tiny")
-  config.data.files = overrides["data.files"]
-  tokenizer.load_or_train(config, str(root / "tok"))
+  tokenizer.load_or_train(config_lib.load("configs/gpt1.py:tiny", {"data.files": overrides["data.files"]}),
+                          str(root / "tok"))
   overrides["data.tokenizer"] = str(next((root / "tok").glob("*.model")))
   two_processes(root / "two", overrides)
   one_process(root / "one", overrides, devices=8)

@@ -1,7 +1,6 @@
 """The trainer in-process: meshes of 8 simulated devices give the single-device loss with really sharded state,
 and a checkpoint restores onto another mesh; config errors come before compiling. Also the tiny test setup
 (values / flags / load_config) that test_cli.py and test_checkpoint.py use."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -41,18 +40,7 @@ def flags(objective, data_dir, /, **overrides) -> list[str]:
 
 def load_config(objective, data_dir, /, **overrides):
   """The same config as flags(), built in-process."""
-  path, variant = CONFIG[objective].split(":")
-  spec = importlib.util.spec_from_file_location("cfg", REPO / "configs" / path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(variant)
-  for key, value in values(objective, data_dir, **overrides).items():
-    *parents, leaf = key.split(".")
-    node = config
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return config_lib.load(f"configs/{CONFIG[objective]}", values(objective, data_dir, **overrides))
 
 
 def cli(*args, env=None, timeout=900):

@@ -10,13 +10,12 @@ length (Chinchilla §3.1). Finished runs are read back, so an interrupted sweep 
 import contextlib
 import csv
 import glob
-import importlib.util
 import os
 import pathlib
 import sys
 import time
 
-from lm_jax import flops
+from lm_jax import config_lib, flops
 
 CONFIG_FILE = pathlib.Path(__file__).resolve().parents[2] / "configs" / "gpt1.py"
 COLUMNS = ("budget", "N", "D", "C", "flops", "loss", "layers", "d_model", "steps", "seconds")
@@ -31,18 +30,10 @@ def parse_sizes(text):
 
 
 def base_config(*, data_files, train_split, eval_split, vocab_size, seq_len, batch_size, lr, eval_batches):
-  spec = importlib.util.spec_from_file_location("gpt1_config", CONFIG_FILE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config("tiny")
-  c.data.tfds_name, c.data.files = "", data_files
-  c.data.train_split, c.data.eval_split = train_split, eval_split
-  c.data.seq_len, c.data.eval_batches = seq_len, eval_batches
-  c.model.vocab_size, c.model.max_positions = vocab_size, seq_len
-  c.batch_size = batch_size
-  c.optimizer.lr = lr
-  c.optimizer.schedule = "cosine"
-  return c
+  return config_lib.load(f"{CONFIG_FILE}:tiny", {
+      "data.tfds_name": "", "data.files": data_files, "data.train_split": train_split, "data.eval_split": eval_split,
+      "data.seq_len": seq_len, "data.eval_batches": eval_batches, "model.vocab_size": vocab_size,
+      "model.max_positions": seq_len, "batch_size": batch_size, "optimizer.lr": lr, "optimizer.schedule": "cosine"})
 
 
 def sized(config, layers, d_model, steps):
