@@ -66,8 +66,9 @@ def make_evaluator(s: Setup) -> Callable:
   batch_sh = sharding.batch_sharding(s.mesh)
 
   def run(params):
-    out = [eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches]
-    return evaluate.summarize(jax.device_get(out), it.bytes_per_token)
+    out = jax.device_get([eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches])
+    out = [({k: float(v) for k, v in m.items()}, {k: float(v) for k, v in d.items()}) for m, d in out]
+    return evaluate.summarize(out, lambda metric: s.objective.denominator_of(metric, out[0][1]), it.text_per_token)
   return run
 
 
