@@ -5,6 +5,7 @@ import ml_collections
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.objective = ""
+  c.init_from = ""                # a Hugging Face directory or another run's workdir to start from
   c.model = ml_collections.ConfigDict()
 
   c.data = ml_collections.ConfigDict()

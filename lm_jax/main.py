@@ -17,12 +17,17 @@ _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; ov
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary"], "what to do")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
+_INIT_FROM = flags.DEFINE_string("init_from", None, "a Hugging Face directory or run workdir to evaluate / start "
+                                 "from (sets config.init_from)")
 
 
 def main(args):
   _, overrides = args
   with config_lib.user_errors():
-    _run(config_lib.load(_CONFIG.value, overrides), _MODE.value)
+    config = config_lib.load(_CONFIG.value, overrides)
+    if _INIT_FROM.value:
+      config.init_from = _INIT_FROM.value
+    _run(config, _MODE.value)
 
 
 def _run(config, mode):

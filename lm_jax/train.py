@@ -210,10 +210,29 @@ def train(config, workdir: str, *, devices=None) -> dict:
   return {**result, "state": state}
 
 
-def restore_params(config, workdir: str):
-  """(setup, params placed on the mesh, step) of the latest checkpoint in workdir."""
+def _params_from_hf(config, workdir: str):
+  """(setup, params, 0) of the Hugging Face directory config.init_from: its model config replaces config.model
+  (runtime fields such as dtype and scan_layers stay the run's), its tokenizer is used unless data.tokenizer
+  names one."""
+  from lm_jax.hf import export
+  keep = {k: config.model[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers")}
+  model_cfg, params = export.load_hf(config.init_from, **keep)
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.model = model_cfg
+    config.data.tokenizer = config.data.tokenizer or config.init_from
   s = setup(config, workdir)
-  mngr = checkpoint.manager(workdir, config.keep_checkpoints)
+  return s, jax.device_put(params, s.state_sharding["params"]), 0
+
+
+def restore_params(config, workdir: str):
+  """(setup, params placed on the mesh, step) of the latest checkpoint in workdir, or of config.init_from (a
+  Hugging Face directory, or another run's workdir)."""
+  if config.init_from and epath.Path(config.init_from, "config.json").exists():
+    return _params_from_hf(config, workdir)
+  source = config.init_from or workdir
+  s = setup(config, source)
+  mngr = checkpoint.manager(source, config.keep_checkpoints)
   latest = mngr.latest_step()
   if latest is None:
     raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
@@ -225,7 +244,8 @@ def restore_params(config, workdir: str):
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
-  """Held-out metrics of the latest checkpoint: printed first, then appended to metrics.jsonl."""
+  """Held-out metrics of the latest checkpoint (or of config.init_from): printed first, then appended to
+  workdir/metrics.jsonl."""
   s, params, latest = restore_params(config, workdir)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     record = {"step": latest, **make_evaluator(s)(params)}

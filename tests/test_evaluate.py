@@ -64,3 +64,18 @@ def test_summarize_weights_each_metric_by_its_own_denominator():
   assert out["eval_token_loss"] == pytest.approx(2.5) and out["eval_nsp_accuracy"] == pytest.approx(0.5)
   assert out["eval_bits_per_byte"] == pytest.approx(2.5 / math.log(2) / 4)
   assert out["eval_bits_per_char"] == pytest.approx(2.5 / math.log(2) / 2) and out["eval_tokens"] == 4
+
+
+def test_eval_of_an_export_through_init_from_equals_the_checkpoints(trained, tmp_path):
+  """--mode=eval --init_from=HF_DIR: the exported model, evaluated on our data, scores what the checkpoint did."""
+  config, workdir = trained
+  export_dir = str(tmp_path / "export")
+  train.export_checkpoint(config, str(workdir), export_dir)
+  ours = train.evaluate_checkpoint(config, str(workdir))
+  imported = config.copy_and_resolve_references()
+  imported.init_from = export_dir
+  imported.data.tokenizer = str(next(workdir.glob("tokenizer_*.model")))
+  record = train.evaluate_checkpoint(imported, str(tmp_path / "eval_run"))
+  assert record["step"] == 0 and record["eval_tokens"] == ours["eval_tokens"]
+  for k in ("eval_loss", "eval_perplexity", "eval_bits_per_byte", "eval_accuracy"):
+    assert record[k] == pytest.approx(ours[k], rel=1e-5), k
