@@ -59,6 +59,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
   c.logical_axis_rules = ()       # ((logical_name, mesh_axes), ...); () = lm_jax.sharding.RULES
+
+  c.task = ml_collections.ConfigDict()   # labelled examples for fine-tuning (lm_jax/data/tasks.py)
+  c.task.files = ""               # glob of .tsv/.jsonl with {split}, e.g. /data/sst2/{split}.tsv; replaces TFDS
+  c.task.tfds_name = ""           # e.g. "glue/sst2" (read like data.tfds_name, from data.tfds_data_dir)
+  c.task.text_fields = ("sentence",)  # one field, or two for sentence pairs; in a headerless .tsv column numbers
+  c.task.label_field = "label"
+  c.task.label_names = ()         # labels as written in the data, in class order; () = class numbers
+  c.task.test_split = "test"      # --mode=predict writes predictions for it (train / eval: data.*_split)
+
+  c.finetune = ml_collections.ConfigDict()   # what trains when starting from init_from (lm_jax/finetune.py)
+  c.finetune.freeze = ()          # regexes over parameter paths, e.g. ("embeddings", "layers_[0-9]/")
+  c.finetune.reinit_top_layers = 0  # the top layers keep their fresh init instead of the pre-trained values
   return c
 
 

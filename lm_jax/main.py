@@ -15,7 +15,8 @@ from lm_jax import config_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary"], "what to do")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "predict", "summary"],
+                          "what to do (predict: task.test_split predictions of a fine-tuned model as a TSV)")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
 _INIT_FROM = flags.DEFINE_string("init_from", None, "a Hugging Face directory or run workdir to evaluate / start "
                                  "from (sets config.init_from)")
@@ -43,6 +44,10 @@ def _run(config, mode):
     train.train(config, _WORKDIR.value)
   elif mode == "eval":
     train.evaluate_checkpoint(config, _WORKDIR.value)
+  elif mode == "predict":
+    from lm_jax import finetune
+    path, metrics = finetune.predict(config, _WORKDIR.value)
+    print(f"predictions: {path}" + "".join(f" | {k} {v:.4f}" for k, v in metrics.items()), flush=True)
   else:
     if not _EXPORT_DIR.value:
       raise app.UsageError("--export_dir is required for --mode=export")

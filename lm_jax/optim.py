@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
+from lm_jax import finetune
+
 OPTIMIZERS = ("bert_adamw", "adam_l2", "adafactor", "adamw")
 SCHEDULES = ("linear", "cosine", "rsqrt", "constant")
 
@@ -91,7 +93,9 @@ def adam(lr, b1: float, b2: float, eps: float, weight_decay: float, decay_mask, 
 
 
 def make(config, logical_axes):
-  """Returns (optax transformation, lr schedule) for config.optimizer; logical_axes from lm_jax.models."""
+  """Returns (optax transformation, lr schedule) for config.optimizer; logical_axes from lm_jax.models. The
+  transformation is over the trainable params only (finetune.split by config.finetune.freeze)."""
+  logical_axes = finetune.split(logical_axes, finetune.trainable_mask(config))[0]
   opt = config.optimizer
   if opt.name not in OPTIMIZERS:
     raise ValueError(f"config.optimizer.name={opt.name!r} unknown; use one of {', '.join(OPTIMIZERS)}")

@@ -9,11 +9,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import models, optim, sharding
+from lm_jax import finetune, models, optim, sharding
 
 
-def init_state(params, tx) -> dict:
-  return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+def init_state(params, tx, trainable=None) -> dict:
+  """trainable: finetune.trainable_mask (None = every param trains); frozen params get no optimizer state."""
+  return {"params": params, "opt_state": tx.init(finetune.split(params, trainable)[0]),
+          "step": jnp.zeros((), jnp.int32)}
 
 
 def state_layout(config, mesh, rules):
@@ -21,7 +23,8 @@ def state_layout(config, mesh, rules):
   tx, lr = optim.make(config, models.logical_axes(config.model))
   abstract_params = models.abstract_params(config.model)
   params_sh = sharding.logical_to_sharding(models.logical_axes(config.model), mesh, rules)
-  abstract = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
+  trainable = finetune.trainable_mask(config)
+  abstract = jax.eval_shape(lambda p: init_state(p, tx, trainable), abstract_params)
   opt_sh = sharding.opt_state_sharding(abstract["opt_state"], abstract_params, params_sh, mesh)
   return tx, lr, abstract, {"params": params_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
 
@@ -29,7 +32,8 @@ def state_layout(config, mesh, rules):
 def fresh_state(config, tx, state_sharding) -> dict:
   """Fresh train state, initialised directly into its shardings."""
   key = jax.random.fold_in(jax.random.key(config.seed), 0)
-  init = lambda k: init_state(models.init(config.model, k), tx)
+  trainable = finetune.trainable_mask(config)
+  init = lambda k: init_state(models.init(config.model, k), tx, trainable)
   return jax.jit(init, out_shardings=state_sharding)(key)
 
 
@@ -43,36 +47,39 @@ def _split(batch, n, mesh):
 
 
 def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
-  """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars."""
+  """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars. Only the
+  trainable params (config.finetune.freeze) are differentiated and updated; frozen ones pass through as they are."""
   n = config.microbatches
   seed_key = jax.random.key(config.seed)
+  trainable_mask = finetune.trainable_mask(config)
 
-  def loss_fn(params, batch, den, rng):
-    return objective.loss(config, params, batch, den, rng=rng, train=True)
+  def loss_fn(params, frozen, batch, den, rng):
+    return objective.loss(config, finetune.merge(params, frozen), batch, den, rng=rng, train=True)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def step(state, batch):
-    params = state["params"]
+    params, frozen = finetune.split(state["params"], trainable_mask)
     den = objective.denominators(batch)
     rng = jax.random.fold_in(seed_key, state["step"])
     f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
     if n == 1:
-      (_, metrics), grads = grad_fn(params, batch, den, rng)
+      (_, metrics), grads = grad_fn(params, frozen, batch, den, rng)
       grads, metrics = f32(grads), f32(metrics)
     else:
       def body(acc, i_mb):
         i, mb = i_mb
-        (_, m), g = grad_fn(params, mb, den, jax.random.fold_in(rng, i))
+        (_, m), g = grad_fn(params, frozen, mb, den, jax.random.fold_in(rng, i))
         return jax.tree.map(jnp.add, acc, (f32(g), f32(m))), None
       mbs = _split(batch, n, mesh)
-      metrics_shape = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], mbs), den, rng)[1]
+      metrics_shape = jax.eval_shape(loss_fn, params, frozen, jax.tree.map(lambda x: x[0], mbs), den, rng)[1]
       zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (params, metrics_shape))
       (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(n), mbs))
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = jnp.asarray(lr_schedule(state["step"]), jnp.float32)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
-    new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
+    new_params = finetune.merge(optax.apply_updates(params, updates), frozen)
+    new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
     return new_state, metrics
 
   replicated = NamedSharding(mesh, P())
@@ -81,12 +88,14 @@ def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
 
 
 def make_eval_step(config, objective, params_sharding, mesh):
-  """Jitted (params, batch) -> (metrics of that batch (loss, token_loss, accuracies), its denominators), no
-  dropout; lm_jax.evaluate turns them into corpus-level totals."""
+  """Jitted (params, batch) -> (metrics of that batch (loss, token_loss, accuracies), its denominators,
+  per-example outputs of objective.predict ({} without)), no dropout; lm_jax.evaluate turns them into corpus-level
+  totals."""
   def step(params, batch):
     den = objective.denominators(batch)
     _, metrics = objective.loss(config, params, batch, den, rng=None, train=False)
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), (metrics, den))
+    outputs = objective.predict(config, params, batch) if objective.predict else {}
+    return (*jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), (metrics, den)), outputs)
 
   return jax.jit(step, in_shardings=(params_sharding, sharding.batch_sharding(mesh)),
                  out_shardings=NamedSharding(mesh, P()))

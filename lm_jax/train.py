@@ -16,7 +16,7 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import Mesh
 
-from lm_jax import checkpoint, config_lib, evaluate, hardware, metrics_log, objectives, sharding, step
+from lm_jax import checkpoint, config_lib, evaluate, finetune, hardware, metrics_log, objectives, sharding, step
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 
 
@@ -35,8 +35,10 @@ class Setup:
 
 
 def setup(config, workdir: str, devices=None) -> Setup:
-  """Validates the config (one-line errors before anything is built), then builds the run's parts."""
+  """Validates the config (one-line errors before anything is built), then builds the run's parts. With
+  config.init_from the model architecture and tokenizer are the pre-trained model's (finetune.resolve)."""
   metrics_log.quiet_libraries()
+  config = finetune.resolve(config)
   devices = jax.devices() if devices is None else list(devices)
   config_lib.validate(config, len(devices), jax.process_count())
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -67,16 +69,31 @@ def make_evaluator(s: Setup) -> Callable:
 
   def run(params):
     out = jax.device_get([eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches])
-    out = [({k: float(v) for k, v in m.items()}, {k: float(v) for k, v in d.items()}) for m, d in out]
-    return evaluate.summarize(out, lambda metric: s.objective.denominator_of(metric, out[0][1]), it.text_per_token)
+    sums = [({k: float(v) for k, v in m.items()}, {k: float(v) for k, v in d.items()}) for m, d, _ in out]
+    record = evaluate.summarize(sums, lambda metric: s.objective.denominator_of(metric, sums[0][1]),
+                                it.text_per_token)
+    if s.objective.predict:
+      record.update(evaluate.prediction_metrics(predictions(out)))
+    return record
   return run
+
+
+def predictions(eval_outputs: list) -> dict:
+  """The per-example outputs of every eval batch, concatenated: {name: numpy array over the eval set}."""
+  return {k: np.concatenate([np.asarray(o[k]) for _, _, o in eval_outputs]) for k in eval_outputs[0][2]}
 
 
 def _init_or_restore(s: Setup, mngr, train_it):
   """(state, start step): the latest checkpoint with its data position, or a fresh state at step 0."""
   latest = mngr.latest_step()
   if latest is None:
-    return step.fresh_state(s.config, s.tx, s.state_sharding), 0
+    state = step.fresh_state(s.config, s.tx, s.state_sharding)
+    if s.config.init_from:   # pre-trained params; new heads keep the seeded init (optimizer states are zeros)
+      pretrained = finetune.pretrained_params(s.config, s.mesh, s.rules)
+      params, report = finetune.initial_params(s.config, state["params"], pretrained)
+      state = dict(state, params=jax.device_put(params, s.state_sharding["params"]))
+      _print(report)
+    return state, 0
   saved = checkpoint.saved_config(mngr, latest)
   checkpoint.check_model(saved, s.config, mngr.directory)
   changes = checkpoint.data_changes(saved, s.config)
@@ -197,6 +214,8 @@ def train(config, workdir: str, *, devices=None) -> dict:
   """Trains (or resumes) to config.phase_end_step or total_steps. Returns {'step', 'train': last train
   record, 'eval': last eval record, 'state': final train state}."""
   s = setup(config, workdir, devices)
+  trainable, total = finetune.trainable_count(s.config)
+  _print(f"parameters: {trainable:,} trainable of {total:,}")
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
   train_it = _hosts("train", s)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
@@ -225,18 +244,26 @@ def _params_from_hf(config, workdir: str):
   return s, jax.device_put(params, s.state_sharding["params"]), 0
 
 
+def _has_checkpoint(workdir: str) -> bool:
+  mngr = checkpoint.manager(workdir, 1)
+  found = mngr.latest_step() is not None
+  mngr.close()
+  return found
+
+
 def restore_params(config, workdir: str):
-  """(setup, params placed on the mesh, step) of the latest checkpoint in workdir, or of config.init_from (a
-  Hugging Face directory, or another run's workdir)."""
-  if config.init_from and epath.Path(config.init_from, "config.json").exists():
+  """(setup, params placed on the mesh, step) of the latest checkpoint in workdir, or without one of
+  config.init_from (a Hugging Face directory, or another run's workdir): a fine-tuned run evaluates its own."""
+  own = bool(config.init_from) and _has_checkpoint(workdir)
+  if config.init_from and not own and epath.Path(config.init_from, "config.json").exists():
     return _params_from_hf(config, workdir)
-  source = config.init_from or workdir
+  source = workdir if own else config.init_from or workdir
   s = setup(config, source)
   mngr = checkpoint.manager(source, config.keep_checkpoints)
   latest = mngr.latest_step()
   if latest is None:
     raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
-  checkpoint.check_model(checkpoint.saved_config(mngr, latest), config, mngr.directory)
+  checkpoint.check_model(checkpoint.saved_config(mngr, latest), s.config, mngr.directory)
   with jax.set_mesh(s.mesh):
     state, _ = checkpoint.restore(mngr, latest, s.abstract_state, s.state_sharding, with_data=False)
   mngr.close()
@@ -257,11 +284,11 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
 def export_checkpoint(config, workdir: str, export_dir: str):
   """The latest checkpoint's params as a Hugging Face directory (lm_jax.hf.export.save_hf)."""
   from lm_jax.hf import export
-  _, params, latest = restore_params(config, workdir)
+  s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
-    export.save_hf(config.model, jax.device_get(params), export_dir)
+    export.save_hf(s.config.model, jax.device_get(params), export_dir)
   _print(f"exported step {latest} to {export_dir}")
   return export_dir

@@ -238,6 +238,14 @@ class EvalBatches:
     return iter(self._batches)
 
 
+def _corpus(config, split: str, layout, tokenizer):
+  """The tokenized split: the layout's own corpus (task examples) or config.data's documents."""
+  if getattr(layout, "corpus", None):
+    return layout.corpus(split)
+  docs = sources.documents(config, split)
+  return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
+
+
 def _local_rows(config, process_index: int, process_count: int) -> slice:
   """This host's rows of the global batch."""
   if config.batch_size % process_count:
@@ -255,14 +263,13 @@ def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0,
   rows_per_shard = config.batch_size // shards
   local = _local_rows(config, process_index, process_count)
   first, last = local.start // rows_per_shard, (local.stop - 1) // rows_per_shard
-  docs = sources.documents(config, d.train_split)
-  if len(docs) < shards:
-    raise ValueError(f"{docs.path}: {len(docs)} documents cannot fill config.data.shards={shards} shards")
   layout = objective.rows(config, tokenizer)
-  corpus = corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
+  corpus = _corpus(config, d.train_split, layout, tokenizer)
+  if len(corpus) < shards:
+    raise ValueError(f"{corpus.path}: {len(corpus)} documents cannot fill config.data.shards={shards} shards")
   streams = []
   for k in range(first, last + 1):
-    order = shard_order(len(docs), seed=config.seed, shuffle=d.shuffle, shard=k, shards=shards)
+    order = shard_order(len(corpus), seed=config.seed, shuffle=d.shuffle, shard=k, shards=shards)
     rows = rows_lib.ShardRows(layout, corpus, order, seed=config.seed, shard=k)
     streams.append(ShardStream(rows, seed=config.seed, shard=k, shuffle=d.shuffle, window_rows=window_rows))
   offset = first * rows_per_shard
@@ -274,21 +281,24 @@ def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0,
 def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,
                        process_count: int = 1) -> EvalBatches:
   """config.data.eval_batches global batches of config.data.eval_split from its start (no shuffle; 0 = every
-  complete batch of the split), the same on every run and for any number of hosts; each host keeps its slice."""
+  complete batch of the split), the same on every run and for any number of hosts; each host keeps its slice.
+  A layout with `padding` fills the last batch with rows that count in no metric, so every row is evaluated."""
   local = _local_rows(config, process_index, process_count)
-  docs = sources.documents(config, config.data.eval_split)
   layout = objective.rows(config, tokenizer)
-  corpus = corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
-  source = rows_lib.ShardRows(layout, corpus, grain.MapDataset.range(len(docs)), seed=config.seed, shard=0)
+  corpus = _corpus(config, config.data.eval_split, layout, tokenizer)
+  source = rows_lib.ShardRows(layout, corpus, grain.MapDataset.range(len(corpus)), seed=config.seed, shard=0)
   rows, _ = source.window(0, (0, 0), config.data.eval_batches * config.batch_size or _WHOLE_SPLIT)
+  left = _num_rows(rows) % config.batch_size
+  if left and getattr(layout, "padding", None):
+    rows = _concat([rows, layout.padding(config.batch_size - left)])
   n_batches = _num_rows(rows) // config.batch_size
   if config.data.eval_batches:
     n_batches = min(config.data.eval_batches, n_batches)
   elif _num_rows(rows) % config.batch_size:
     logging.warning("data: eval of the whole %s leaves out its last %d rows (less than one batch of %d)",
-                    docs.path, _num_rows(rows) % config.batch_size, config.batch_size)
+                    corpus.path, _num_rows(rows) % config.batch_size, config.batch_size)
   if n_batches == 0:
-    raise ValueError(f"{docs.path} is too small for one eval batch of {config.batch_size} rows "
+    raise ValueError(f"{corpus.path} is too small for one eval batch of {config.batch_size} rows "
                      f"({_num_rows(rows)} rows of data.seq_len={config.data.seq_len})")
   transform = objective.transform(config, tokenizer)
   batches = []

@@ -3,7 +3,8 @@
   Stream       documents concatenated (each followed by `separator`) and cut into rows of `width` tokens:
                packed causal LM rows, [CLS] chunk [SEP] rows, raw chunks for span corruption
   PerDocument  each document yields a list of instances (e.g. BERT's sentence pairs), a pure function of
-               (seed, shard, epoch, document); `assemble` stacks instances into rows
+               (seed, shard, epoch, document); `assemble` stacks instances into rows. With `corpus` the
+               documents are the layout's own (data.tasks: one labelled example each), not config.data's
 
 ShardRows builds rows in windows from a cursor (position in the epoch's document order, offset inside
 that document), so a window is rebuilt exactly from its starting cursor on resume.
@@ -33,11 +34,15 @@ class Stream:
 class PerDocument:
   """instances(segments, rng, other_doc) -> list of instances of one document (segments: its sentences as
   token arrays; other_doc(rng) -> the segments of a random other document); assemble(list) -> rows dict;
-  real_tokens(instance) -> its number of non-padding tokens; rows are `width` tokens long."""
+  real_tokens(instance) -> its number of non-padding tokens; rows are `width` tokens long.
+  corpus(split) -> the split's tokenized documents (data.tasks.Examples) instead of config.data's; padding(n) ->
+  n rows that count in no metric, to fill the last eval batch so that every example is evaluated."""
   width: int
   instances: Callable
   assemble: Callable
   real_tokens: Callable
+  corpus: Callable | None = None
+  padding: Callable | None = None
   as_sentences = True
 
 

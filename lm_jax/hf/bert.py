@@ -1,5 +1,6 @@
-"""Hugging Face BERT: BertForPreTraining (what save_hf writes) and encoder-only BertModel checkpoints, which
-load with the pooler and heads initialised randomly, as transformers does."""
+"""Hugging Face BERT: BertForPreTraining (what save_hf writes), BertForSequenceClassification (a model config with
+num_labels > 0) and encoder-only BertModel checkpoints, which load with the pooler and heads initialised
+randomly, as transformers does."""
 import logging
 
 import ml_collections
@@ -46,6 +47,15 @@ _HEADS = [  # under "cls."
     ("seq_relationship.weight", ("nsp", "kernel"), "T1"),
     ("seq_relationship.bias", ("nsp", "bias"), "same"),
 ]
+_CLASSIFIER = [   # BertForSequenceClassification, at the top
+    ("classifier.weight", ("classifier", "kernel"), "T1"),
+    ("classifier.bias", ("classifier", "bias"), "same"),
+]
+
+
+def _heads(cfg):
+  """(table, prefix) of the heads a model config has."""
+  return (_CLASSIFIER, "") if cfg.get("num_labels", 0) else (_HEADS, "cls.")
 
 
 
@@ -53,6 +63,13 @@ def hf_config(cfg) -> dict:
   if cfg.num_heads * layers.head_dim(cfg) != cfg.d_model:
     raise ValueError(f"HF BERT needs num_heads * head_dim == d_model, got {cfg.num_heads} * "
                      f"{layers.head_dim(cfg)} != {cfg.d_model}")
+  labels = cfg.get("num_labels", 0)
+  task = {}
+  if labels:
+    names = [f"LABEL_{i}" for i in range(labels)]
+    task = {"architectures": ["BertForSequenceClassification"], "id2label": dict(enumerate(names)),
+            "label2id": {n: i for i, n in enumerate(names)},
+            "problem_type": "regression" if labels == 1 else "single_label_classification"}
   return {
       "architectures": ["BertForPreTraining"], "model_type": "bert",
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
@@ -61,7 +78,7 @@ def hf_config(cfg) -> dict:
       "attention_probs_dropout_prob": cfg.attention_dropout_rate, "max_position_embeddings": cfg.max_positions,
       "type_vocab_size": cfg.type_vocab_size, "initializer_range": cfg.initializer_range,
       "layer_norm_eps": cfg.layer_norm_eps, "pad_token_id": cfg.pad_token_id,
-      "position_embedding_type": "absolute", "tie_word_embeddings": True,
+      "position_embedding_type": "absolute", "tie_word_embeddings": True, **task,
   }
 
 
@@ -78,24 +95,27 @@ def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
   m.max_positions, m.type_vocab_size = hf["max_position_embeddings"], hf["type_vocab_size"]
   m.initializer_range, m.layer_norm_eps = hf.get("initializer_range", 0.02), hf["layer_norm_eps"]
   m.pad_token_id = hf.get("pad_token_id") or 0
+  if any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or ()):
+    m.num_labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2   # transformers' default: 2
   return m
 
 
 
 def to_hf(cfg, params: dict) -> dict:
-  return (convert.tree_to_hf(params, _BODY, "bert.") | convert.tree_to_hf(params, _HEADS, "cls.")
+  return (convert.tree_to_hf(params, _BODY, "bert.") | convert.tree_to_hf(params, *_heads(cfg))
           | convert.stack_to_hf(params, cfg.num_layers, _LAYER, "bert.encoder.layer.{i}."))
 
 
 def from_hf(cfg, tensors: dict) -> dict:
-  """Params from BertForPreTraining or BertModel tensors. What an encoder-only checkpoint lacks
-  (pooler, MLM / NSP heads) is initialised randomly (numpy seed 0) as transformers would, with a warning."""
+  """Params from BertForPreTraining, BertForSequenceClassification or BertModel tensors. What an encoder-only
+  checkpoint lacks (pooler, MLM / NSP heads or classifier) is initialised randomly (numpy seed 0) as transformers
+  would, with a warning."""
   prefix = "bert." if any(k.startswith("bert.") for k in tensors) else ""
   if "cls.predictions.bias" not in tensors and "cls.predictions.decoder.bias" in tensors:   # older exports
     tensors = {**tensors, "cls.predictions.bias": tensors["cls.predictions.decoder.bias"]}
   shapes = convert.looped_shapes(cfg)
   params, missing = {}, []
-  for table, pre in ((_BODY, prefix), (_HEADS, "cls.")):
+  for table, pre in ((_BODY, prefix), _heads(cfg)):
     for hf, path, kind in table:
       if pre + hf not in tensors and path[0] in _RANDOM_IF_MISSING:
         missing.append((pre + hf, path))

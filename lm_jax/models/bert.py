@@ -3,6 +3,10 @@
 Params: word/position/token_type embeddings + embeddings_ln, the layer stack (layers.PostLNBlock),
 pooler, and the heads 'mlm' (dense + act + LN, decoder tied to the word embeddings, output bias) and
 'nsp'. Init is TF BERT's truncated normal (initializer_range).
+
+A model config with num_labels > 0 (configs/finetune/bert.py) is a sequence classifier instead (paper §4.1, HF
+BertForSequenceClassification): [CLS] -> pooler -> dropout -> linear 'classifier' to num_labels logits (one
+for regression), in place of the pre-training heads.
 """
 from typing import Any
 
@@ -12,7 +16,7 @@ import jax.numpy as jnp
 
 from lm_jax.models import layers
 
-HEADS = ("mlm", "nsp")          # on top of BertModel (embeddings + layers + pooler)
+HEADS = ("mlm", "nsp", "classifier")   # on top of BertModel (embeddings + layers + pooler)
 
 
 class MLMHead(nn.Module):
@@ -34,7 +38,7 @@ class MLMHead(nn.Module):
 class Model(nn.Module):
   """batch: input_ids (B,L), token_type_ids, attention_mask (default 0s / 1s), optional mlm_positions
   (B,P). -> logits (B,L,V) or, with mlm_positions, (B,P,V) at those positions only; hidden, pooled,
-  nsp_logits."""
+  nsp_logits. A classifier (cfg.num_labels > 0): logits (B, num_labels), hidden, pooled."""
   cfg: Any
 
   @nn.compact
@@ -61,6 +65,10 @@ class Model(nn.Module):
                         cfg=cfg, deterministic=not train, kernel_init=init)(x, None, mask)
 
     pooled = jnp.tanh(layers.Dense((cfg.d_model,), ("embed", "mlp"), kernel_init=init, name="pooler", **kw)(x[:, 0]))
+    if cfg.get("num_labels", 0):
+      h = layers.Dropout(cfg.dropout_rate, deterministic=not train)(pooled)
+      logits = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier", **kw)(h)
+      return {"logits": logits.astype(jnp.float32), "hidden": x, "pooled": pooled}
     nsp_logits = layers.Dense((2,), ("embed", None), kernel_init=init, name="nsp", **kw)(pooled)
     h = x
     if "mlm_positions" in batch:
@@ -68,6 +76,12 @@ class Model(nn.Module):
     logits = MLMHead(cfg, name="mlm")(h, embed)
     return {"logits": logits.astype(jnp.float32), "hidden": x, "pooled": pooled,
             "nsp_logits": nsp_logits.astype(jnp.float32)}
+
+
+def check_config(cfg) -> None:
+  n = cfg.get("num_labels", 0)
+  if not isinstance(n, int) or n < 0:
+    raise ValueError(f"model.num_labels must be a non-negative integer (0 = the pre-training heads), got {n!r}")
 
 
 def example_batch(cfg) -> dict:

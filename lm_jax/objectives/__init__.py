@@ -13,14 +13,17 @@ specific to it, so no other module branches on its name:
   denominators     global normalisers from the FULL batch, so microbatch sums equal the full-batch value
   loss             (config, params, batch, den, *, rng, train) -> (loss, metrics); the metrics are also
                    its eval metrics (averaged over eval batches; `token_loss` gives perplexity and bits)
+  predict          (optional) (config, params, batch) -> per-example {prediction, label, weight, index}: the eval
+                   adds metrics over the whole eval set's predictions (F1, Matthews, Pearson / Spearman;
+                   lm_jax.evaluate.prediction_metrics) and --mode=predict writes them
 
 A test (or a user's script) can register its own objective with `register` and train it through the
 unchanged trainer.
 """
-from lm_jax.objectives import clm, mlm, span_corruption
+from lm_jax.objectives import classify, clm, mlm, span_corruption
 from lm_jax.objectives.registry import Lengths, Objective, get, names, register
 
-for _module in (mlm, clm, span_corruption):
+for _module in (mlm, clm, span_corruption, classify):
   register(_module.OBJECTIVE)
 
 

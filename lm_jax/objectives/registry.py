@@ -27,6 +27,7 @@ class Objective:
   denominators: Callable  # batch -> {name: scalar} of the FULL batch, each >= 1
   loss: Callable          # (config, params, batch, den, *, rng, train) -> (loss, metrics); sums / den
   metric_denominators: dict = dataclasses.field(default_factory=dict)  # metric -> den key; default: the first
+  predict: Callable | None = None  # (config, params, batch) -> per-example {prediction, label, weight, index}
 
   def tokens_per_example(self, config) -> int:
     lengths = self.lengths(config)

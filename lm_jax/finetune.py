@@ -1,0 +1,286 @@
+"""Start from any checkpoint and choose what trains: the pure functions behind config.init_from and
+config.finetune.
+
+- resolve(config): the run's model config takes the architecture of config.init_from (a Hugging Face directory's
+  config.json, or the saved config of another run's workdir) and keeps its own runtime fields and num_labels; the
+  tokenizer is the pre-trained one unless data.tokenizer names another.
+- initial_params: every parameter the run's model shares with the pre-trained one (same path and shape) starts
+  from the pre-trained value; the rest (new task heads) keeps the fresh init drawn from the run's seed; the
+  pre-trained heads the run's model lacks are dropped (BERT §4: the MLM / NSP heads give way to the classifier).
+  finetune.reinit_top_layers resets the top layers of every layer stack to the fresh init.
+- predict: --mode=predict, the latest checkpoint's predictions for task.test_split as a TSV.
+- trainable_mask / split / merge: finetune.freeze holds regexes over parameter paths ('/'-joined, layers named
+  as when looped: 'word_embeddings/embedding', 'layers_3/mlp/wi/kernel'); matching parameters are frozen: the
+  train step differentiates only the trainable part and the optimizer keeps state only for it (lm_jax/step.py,
+  lm_jax/optim.py), while checkpoints still hold every parameter.
+"""
+import glob
+import os
+import re
+import string
+
+import jax
+import ml_collections
+import numpy as np
+
+from lm_jax import checkpoint, models, sharding
+from lm_jax.models import layers
+
+# Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
+RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels")
+_LOOPED = re.compile(r"^(.*)_(\d+)$")
+
+
+def _is_hf(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, "config.json"))
+
+
+# ------------------------------------------------------------------------------------------ the pre-trained model
+def _saved_run(path: str) -> tuple[dict, int]:
+  """(saved config, step) of the latest checkpoint of the run in `path`."""
+  mngr = checkpoint.manager(path, 1)
+  latest = mngr.latest_step()
+  if latest is None:
+    raise FileNotFoundError(f"config.init_from={path!r}: neither a Hugging Face directory (config.json) nor a "
+                            "workdir with a checkpoint")
+  saved = checkpoint.saved_config(mngr, latest)
+  mngr.close()
+  return saved, latest
+
+
+def source_model(path: str) -> tuple[ml_collections.ConfigDict, str]:
+  """(model config, tokenizer path) of the pre-trained model in `path`."""
+  if _is_hf(path):
+    from lm_jax.hf import export
+    return export._read_config(os.path.join(path, "config.json")), path
+  saved, _ = _saved_run(path)
+  model = ml_collections.ConfigDict(saved["model"])
+  tokenizer = saved["data"].get("tokenizer") or next(iter(sorted(glob.glob(
+      os.path.join(path, f"tokenizer_{model.family}_*.model")))), "")
+  if not tokenizer:
+    raise FileNotFoundError(f"config.init_from={path!r}: the run names no data.tokenizer and has no trained "
+                            "tokenizer_*.model")
+  return model, tokenizer
+
+
+def resolve(config):
+  """config with the model architecture (and tokenizer) of config.init_from; config itself without init_from."""
+  if not config.init_from:
+    return config
+  model, tokenizer = source_model(config.init_from)
+  if model.family != config.model.family:
+    raise ValueError(f"config.init_from={config.init_from!r} holds a {model.family!r} model but "
+                     f"config.model.family={config.model.family!r}")
+  merged = config.model.to_dict()
+  merged.update({k: v for k, v in model.to_dict().items() if k not in RUN_FIELDS})
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.model = ml_collections.ConfigDict(merged)
+    config.data.tokenizer = config.data.tokenizer or tokenizer
+  return config
+
+
+def _relayout(tree, scan: bool):
+  """`tree` with every layer stack in the scanned (scan=True) or looped layout."""
+  if not isinstance(tree, dict):
+    return tree
+  stack = [k for k in tree if k == "layers" or ((m := _LOOPED.match(k)) and m.group(1) == "layers")]
+  rest = {k: _relayout(v, scan) for k, v in tree.items() if k not in stack}
+  if not stack:
+    return rest
+  n = jax.tree.leaves(tree["layers"])[0].shape[0] if "layers" in tree else len(stack)
+  return {**rest, **layers.put_layers(layers.get_layers(jax.device_get({k: tree[k] for k in stack}), n), scan)}
+
+
+def pretrained_params(config, mesh, rules) -> dict:
+  """The params of config.init_from in the layout of config.model (resolved), on the host or on `mesh`."""
+  path, m = config.init_from, config.model
+  if _is_hf(path):
+    from lm_jax.hf import export
+    _, params = export.load_hf(path, **{k: m[k] for k in RUN_FIELDS if k in m and k != "num_labels"})
+    return params
+  from lm_jax import step
+  saved, latest = _saved_run(path)
+  source = ml_collections.ConfigDict(saved)
+  _, _, abstract, shardings = step.state_layout(source, mesh, rules)
+  mngr = checkpoint.manager(path, 1)
+  state, _ = checkpoint.restore(mngr, latest, abstract, shardings, with_data=False)
+  mngr.close()
+  params = state["params"]
+  return _relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
+
+
+# ---------------------------------------------------------------------------------------------- initial params
+def _paths(tree, prefix=()) -> dict:
+  """{path tuple: leaf} of a nested dict."""
+  out = {}
+  for k, v in tree.items():
+    out.update(_paths(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v})
+  return out
+
+
+def _unflatten(flat: dict) -> dict:
+  out = {}
+  for path, leaf in flat.items():
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = leaf
+  return out
+
+
+def _reinit_top(params: dict, fresh: dict, k: int) -> dict:
+  """params with the top k layers of every layer stack taken from `fresh`."""
+  if not k or not isinstance(params, dict):
+    return params
+  out = {}
+  looped = {int(m.group(2)) for key in params if (m := _LOOPED.match(key)) and m.group(1) == "layers"}
+  for key, value in params.items():
+    m = _LOOPED.match(key)
+    if m and m.group(1) == "layers":
+      out[key] = fresh[key] if int(m.group(2)) >= len(looped) - k else value
+    elif key == "layers":
+      out[key] = jax.tree.map(lambda p, f: np.concatenate([np.asarray(p)[:-k], np.asarray(f)[-k:]]), value, fresh[key])
+    else:
+      out[key] = _reinit_top(value, fresh[key], k)
+  return out
+
+
+def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
+  """(params, a one-line report): `pretrained` wherever it has the run's parameter with the same shape, `fresh`
+  (the run's seeded init) elsewhere and in the top finetune.reinit_top_layers layers."""
+  new, old = _paths(fresh), _paths(pretrained)
+  taken = {p for p, leaf in new.items() if p in old and np.shape(old[p]) == np.shape(leaf)}
+  params = _unflatten({p: old[p] if p in taken else leaf for p, leaf in new.items()})
+  top = config.finetune.reinit_top_layers
+  params = _reinit_top(params, fresh, top)
+  names = lambda paths: ", ".join(sorted({p[0] for p in paths})) or "none"
+  report = (f"init_from {config.init_from}: {len(taken)} of {len(new)} parameter tensors pre-trained; "
+            f"fresh init: {names(set(new) - taken)}; dropped: {names(set(old) - set(new))}"
+            + (f"; top {top} layers re-initialised" if top else ""))
+  return params, report
+
+
+# ------------------------------------------------------------------------------------------------------ freezing
+def _patterns(config) -> tuple:
+  group = config.get("finetune")
+  return tuple(group.get("freeze", ())) if group is not None else ()
+
+
+def _frozen_looped(model_cfg, patterns) -> dict:
+  """{looped path string: frozen?} of every parameter."""
+  looped = models.abstract_params(layers.replace(model_cfg, scan_layers=False))
+  return {"/".join(p): any(re.search(rx, "/".join(p)) for rx in patterns) for p in _paths(looped)}
+
+
+def check(config):
+  """One-line ValueError naming the config.finetune field that cannot apply to config.model."""
+  patterns, top = _patterns(config), config.finetune.reinit_top_layers
+  if not 0 <= top <= config.model.num_layers:
+    raise ValueError(f"config.finetune.reinit_top_layers must be in [0, model.num_layers={config.model.num_layers}],"
+                     f" got {top}")
+  if top and not config.init_from:
+    raise ValueError("config.finetune.reinit_top_layers needs config.init_from (the model to start from)")
+  for rx in patterns:
+    try:
+      re.compile(rx)
+    except re.error as e:
+      raise ValueError(f"config.finetune.freeze: {rx!r} is not a regular expression ({e})") from None
+  if patterns:
+    frozen = _frozen_looped(config.model, patterns)
+    for rx in patterns:
+      if not any(re.search(rx, p) for p in frozen):
+        raise ValueError(f"config.finetune.freeze: {rx!r} matches no parameter (paths look like "
+                         f"{next(iter(frozen))!r}, {next(p for p in frozen if p.startswith('layers_'))!r})")
+    if all(frozen.values()):
+      raise ValueError(f"config.finetune.freeze={patterns!r} freezes every parameter")
+    trainable_mask(config)
+
+
+def trainable_mask(config) -> dict | None:
+  """Bool tree over config.model's params (in its layout): False for the frozen ones; None when nothing is."""
+  patterns = _patterns(config)
+  if not patterns:
+    return None
+  frozen = _frozen_looped(config.model, patterns)
+  mask = {}
+  for path, is_frozen in frozen.items():
+    keys = path.split("/")
+    m = _LOOPED.match(keys[0]) if config.model.scan_layers else None
+    keys = ["layers", *keys[1:]] if m and m.group(1) == "layers" else keys
+    node = mask
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+    if node.get(keys[-1], not is_frozen) != (not is_frozen):
+      raise ValueError(f"config.finetune.freeze={patterns!r} freezes some layers of a scanned stack "
+                       f"({'/'.join(keys)}); set config.model.scan_layers=False")
+    node[keys[-1]] = not is_frozen
+  return mask
+
+
+def split(tree: dict, mask: dict | None) -> tuple[dict, dict]:
+  """(trainable, frozen) parts of a params-shaped nested dict; with mask None, (tree, {})."""
+  if mask is None:
+    return tree, {}
+  trainable, frozen = {}, {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      a, b = split(v, mask[k])
+      trainable.update({k: a} if a else {})
+      frozen.update({k: b} if b else {})
+    else:
+      (trainable if mask[k] else frozen)[k] = v
+  return trainable, frozen
+
+
+def merge(a: dict, b: dict) -> dict:
+  """The union of two disjoint nested dicts (inverse of split)."""
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = merge(out[k], v) if k in out else v
+  return out
+
+
+def trainable_count(config) -> tuple[int, int]:
+  """(trainable, total) parameter counts of config.model under config.finetune.freeze."""
+  abstract = models.abstract_params(config.model)
+  return models.count(split(abstract, trainable_mask(config))[0]), models.count(abstract)
+
+
+# ----------------------------------------------------------------------------------------------------- predict
+def predict(config, workdir: str) -> tuple[str, dict]:
+  """Writes workdir/predictions_<task.test_split>.tsv ('index<TAB>prediction' per example, the index its position
+  in the split, the prediction a label name when task.label_names are given): the latest checkpoint's (or
+  init_from's) predictions. Returns (path, metrics over the labelled examples; {} when none has a label)."""
+  from lm_jax import evaluate, step as step_lib, train
+  from lm_jax.data import pipeline
+  s, params, _ = train.restore_params(config, workdir)
+  if not s.objective.predict:
+    raise ValueError(f"config.objective={s.config.objective!r} makes no predictions (--mode=predict)")
+  c = s.config.copy_and_resolve_references()
+  c.data.eval_split, c.data.eval_batches = c.task.test_split, 0
+  batches = pipeline.make_eval_iterator(c, s.tokenizer, s.objective, process_index=jax.process_index(),
+                                        process_count=jax.process_count())
+  eval_step = step_lib.make_eval_step(c, s.objective, s.state_sharding["params"], s.mesh)
+  batch_sh = sharding.batch_sharding(s.mesh)
+  with jax.set_mesh(s.mesh):
+    out = jax.device_get([eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches])
+  found = train.predictions(out)
+  keep = found["index"] >= 0
+  index, prediction = found["index"][keep], found["prediction"][keep]
+  names = tuple(c.task.label_names)
+  as_text = lambda p: names[p] if names else f"{p:.6g}" if np.issubdtype(prediction.dtype, np.floating) else str(p)
+  text = [f"{i}\t{as_text(p)}" for i, p in zip(index, prediction)]
+  safe = "".join(ch if ch in string.ascii_letters + string.digits + "-_" else "_" for ch in c.task.test_split)
+  path = os.path.join(workdir, f"predictions_{safe}.tsv")
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(path, "w") as f:
+      f.write("index\tprediction\n" + "".join(line + "\n" for line in text))
+  metrics = {}
+  if found["weight"][keep].any():
+    sums = [({k: float(v) for k, v in m.items()}, {k: float(v) for k, v in d.items()}) for m, d, _ in out]
+    metrics = evaluate.summarize(sums, lambda metric: s.objective.denominator_of(metric, sums[0][1]))
+    metrics.update(evaluate.prediction_metrics(found))
+    metrics = {k.replace("eval_", "test_", 1): v for k, v in metrics.items()}
+  return path, metrics

@@ -1,0 +1,183 @@
+"""Frozen-feature probe: `python -m lm_jax.probe --init_from=DIR --files='/data/sst2/{split}.tsv' --pooling=mean
+[--layer=N | --last4]`.
+
+Features of a frozen BERT (a Hugging Face directory, e.g. BertModel, or an lm_jax workdir's latest checkpoint): the
+hidden states after layer N (default the last) or the last four concatenated (BERT §5.3's feature-based
+approach), pooled at [CLS] or averaged over the tokens; then scikit-learn's LogisticRegression on the train split,
+its C chosen on dev; accuracy on dev and test is printed last as one JSON line. Examples are read like
+config.task (lm_jax/data/tasks.py) and sorted by length, so batches are only as wide as their longest example.
+"""
+import functools
+import json
+import sys
+import time
+
+from lm_jax import malloc
+
+malloc.keep_freed_memory()  # before anything starts JAX's backend
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from lm_jax import config_lib, defaults, finetune, sharding  # noqa: E402
+from lm_jax.data import tasks, tokenizer as tokenizer_lib  # noqa: E402
+from lm_jax.models import bert, layers  # noqa: E402
+from lm_jax.objectives import classify  # noqa: E402
+
+C_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+_WIDTH = 16                   # batches are cut to a multiple of this many positions (few shapes to compile)
+
+
+def load(init_from: str):
+  """(model config in the looped layout, params, tokenizer) of a BERT checkpoint: an HF directory or a workdir."""
+  model, tokenizer_path = finetune.source_model(init_from)
+  if model.family != "bert":
+    raise ValueError(f"--init_from={init_from}: the probe reads BERT hidden states; this is a {model.family!r} model")
+  config = defaults.base_config()
+  config.init_from, config.model = init_from, layers.replace(model, scan_layers=False)
+  mesh = sharding.make_mesh(config)
+  with jax.set_mesh(mesh):
+    params = finetune.pretrained_params(config, mesh, sharding.rules(config))
+  return config.model, jax.device_get(params), tokenizer_lib.load(tokenizer_path, "bert")
+
+
+def _layers(model_cfg, layer: int, last4: bool) -> tuple:
+  """The 0-based indices of the layers whose outputs make the features."""
+  n = model_cfg.num_layers
+  if last4:
+    if n < 4:
+      raise ValueError(f"--last4 needs 4 layers; the model has {n}")
+    return tuple(range(n - 4, n))
+  if not 0 <= layer <= n:
+    raise ValueError(f"--layer={layer} must be in [1, {n}] (0 = the last)")
+  return ((layer or n) - 1,)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _encode(cfg, params, batch, chosen, pooling):
+  """Pooled outputs of the chosen layers, concatenated: (B, len(chosen) * d_model). Everything else the model
+  computes (later layers, heads) is dead code that XLA drops."""
+  is_block = lambda module, method: isinstance(module, layers.PostLNBlock)
+  _, state = bert.Model(cfg).apply({"params": params}, batch, capture_intermediates=is_block,
+                                   mutable=["intermediates"])
+  mask = batch["attention_mask"][..., None].astype(jnp.float32)
+  pooled = []
+  for i in chosen:
+    h = state["intermediates"][f"layers_{i}"]["__call__"][0][0].astype(jnp.float32)
+    pooled.append(h[:, 0] if pooling == "cls" else (h * mask).sum(1) / jnp.maximum(mask.sum(1), 1.0))
+  return jnp.concatenate(pooled, axis=-1)
+
+
+def features(model_cfg, params, tokenizer, examples: list, *, seq_len: int, chosen: tuple, pooling: str,
+             batch_size: int = 64) -> np.ndarray:
+  """(len(examples), features) for task examples (data.tasks.Example), in their order."""
+  cfg = layers.frozen(model_cfg)
+  specials = 1 + max(len(ex.segments) for ex in examples)
+  order = np.argsort([sum(map(len, ex.segments)) for ex in examples], kind="stable")
+  out = np.zeros((len(examples), len(chosen) * model_cfg.d_model), np.float32)
+  for start in range(0, len(order), batch_size):
+    idx = order[start:start + batch_size]
+    rows = classify.assemble_rows([examples[i] for i in idx], batch_size, seq_len=seq_len, specials=specials,
+                                  tokenizer=tokenizer, regression=False)
+    width = min(seq_len, -(-int(rows["attention_mask"].sum(1).max()) // _WIDTH) * _WIDTH)
+    batch = {k: jnp.asarray(rows[k][:, :width]) for k in ("input_ids", "token_type_ids", "attention_mask")}
+    if not model_cfg.get("num_labels", 0):   # score the MLM head at one position only
+      batch["mlm_positions"] = jnp.zeros((batch_size, 1), jnp.int32)
+    out[idx] = np.asarray(_encode(cfg, params, batch, chosen, pooling))[:len(idx)]
+  return out
+
+
+def _examples(task_config, split, tokenizer, *, labelled: bool, limit: int = 0, seed: int = 0) -> list:
+  corpus = tasks.examples(task_config, split, tokenizer)
+  found = [ex for ex in corpus.tokens(list(range(len(corpus)))) if ex is not None and (ex.label is not None
+                                                                                           or not labelled)]
+  if not found:
+    raise ValueError(f"no usable examples in {corpus.path} (skipped: {corpus.stats})")
+  if limit and len(found) > limit:
+    found = [found[i] for i in sorted(np.random.default_rng(seed).choice(len(found), limit, replace=False))]
+  return found
+
+
+def logistic_regression(train, dev, test=None, grid=C_GRID) -> dict:
+  """Each of (features, labels); the C of `grid` best on dev (the smallest on ties), then accuracy on dev and on
+  test (None without test or its labels)."""
+  from sklearn.linear_model import LogisticRegression
+  from sklearn.pipeline import make_pipeline
+  from sklearn.preprocessing import StandardScaler
+  best = None
+  for c in grid:
+    model = make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=2000)).fit(*train)
+    score = model.score(*dev)
+    if best is None or score > best[0]:
+      best = (score, c, model)
+  score, c, model = best
+  test_acc = model.score(*test) if test is not None and not any(y is None for y in test[1]) else None
+  return {"dev_accuracy": float(score), "test_accuracy": None if test_acc is None else float(test_acc), "C": c}
+
+
+def run(init_from: str, *, files: str = "", tfds_name: str = "", text_fields=("0",), label_field: str = "1",
+        label_names=(), num_labels: int = 2, pooling: str = "mean", layer: int = 0, last4: bool = False,
+        splits=("train", "dev", "test"), max_train: int = 0, seq_len: int = 128, batch_size: int = 64,
+        log=print) -> dict:
+  """Features -> logistic regression -> {dev_accuracy, test_accuracy, C, train_examples, features, seconds}."""
+  if pooling not in ("cls", "mean"):
+    raise ValueError(f"--pooling={pooling!r}: use cls or mean")
+  start = time.perf_counter()
+  task = defaults.base_config()
+  task.model.num_labels = num_labels
+  task.task.update(files=files, tfds_name=tfds_name, text_fields=tuple(text_fields), label_field=label_field,
+                   label_names=tuple(label_names))
+  tasks.check(task)
+  model_cfg, params, tokenizer = load(init_from)
+  chosen = _layers(model_cfg, layer, last4)
+  if seq_len > model_cfg.max_positions:
+    raise ValueError(f"--seq_len={seq_len} exceeds the model's max_positions={model_cfg.max_positions}")
+  data = {}
+  for split, limit in zip(splits, (max_train, 0, 0)):
+    examples = _examples(task, split, tokenizer, labelled=split != splits[2], limit=limit)
+    x = features(model_cfg, params, tokenizer, examples, seq_len=seq_len, chosen=chosen, pooling=pooling,
+                 batch_size=batch_size)
+    data[split] = (x, [ex.label for ex in examples])
+    log(f"{split}: {len(examples)} examples, features {x.shape[1]} ({time.perf_counter() - start:.0f} s)")
+  result = logistic_regression(*(data[s] for s in splits))
+  return {**result, "train_examples": len(data[splits[0]][1]), "features": int(data[splits[0]][0].shape[1]),
+          "seconds": round(time.perf_counter() - start, 1)}
+
+
+_INIT_FROM = flags.DEFINE_string("init_from", None, "a Hugging Face BERT directory or an lm_jax workdir")
+_FILES = flags.DEFINE_string("files", "", "task files with {split}, e.g. /data/sst2/{split}.tsv (or --tfds_name)")
+_TFDS = flags.DEFINE_string("tfds_name", "", "a TFDS task, e.g. glue/sst2 (splits train,validation,test)")
+_TEXT = flags.DEFINE_list("text_fields", ["0"], "one or two text fields (column numbers in a headerless .tsv)")
+_LABEL = flags.DEFINE_string("label_field", "1", "the label field")
+_LABEL_NAMES = flags.DEFINE_list("label_names", [], "labels as written in the data, in class order")
+_NUM_LABELS = flags.DEFINE_integer("num_labels", 2, "classes (labels are 0..num_labels-1 without --label_names)")
+_POOLING = flags.DEFINE_enum("pooling", "mean", ["cls", "mean"], "[CLS] state or the mean over the tokens")
+_LAYER = flags.DEFINE_integer("layer", 0, "the layer whose output is the feature (1..num_layers; 0 = the last)")
+_LAST4 = flags.DEFINE_bool("last4", False, "concatenate the outputs of the last four layers")
+_SPLITS = flags.DEFINE_list("splits", ["train", "dev", "test"], "train, dev (chooses C) and test splits")
+_MAX_TRAIN = flags.DEFINE_integer("max_train", 0, "a random subset of this many training examples (0 = all)")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "longer examples are truncated")
+_BATCH = flags.DEFINE_integer("batch_size", 64, "examples per forward pass")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if _LAYER.value and _LAST4.value:
+    raise app.UsageError("--layer and --last4 exclude each other")
+  if len(_SPLITS.value) != 3:
+    raise app.UsageError(f"--splits needs three splits (train, dev, test), got {_SPLITS.value}")
+  with config_lib.user_errors():
+    result = run(_INIT_FROM.value, files=_FILES.value, tfds_name=_TFDS.value, text_fields=_TEXT.value,
+                 label_field=_LABEL.value, label_names=_LABEL_NAMES.value, num_labels=_NUM_LABELS.value,
+                 pooling=_POOLING.value, layer=_LAYER.value, last4=_LAST4.value, splits=tuple(_SPLITS.value),
+                 max_train=_MAX_TRAIN.value, seq_len=_SEQ_LEN.value, batch_size=_BATCH.value,
+                 log=lambda line: print(line, file=sys.stderr, flush=True))
+  print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["init_from"])
+  app.run(main)
