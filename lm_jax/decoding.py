@@ -92,7 +92,7 @@ def _take_rows(state, rows, names=None):
 
 
 # ----------------------------------------------------------------------------------------- greedy, sampling
-def filter_logits(logits, temperature, top_k, top_p):
+def _filter_logits(logits, temperature, top_k, top_p):
   """transformers' warpers in their order: logits / temperature; top-k keeps the k largest (and ties with
   the k-th; 0 = off); top-p keeps the most probable tokens until their mass exceeds top_p (at least one).
   Filtered logits become -inf."""
@@ -112,7 +112,7 @@ def _sample_loop(cfg, opts, knobs, params, ids, mask, key):
   n = opts.max_new_tokens
 
   def sample(logits, t):
-    logits = filter_logits(logits, knobs.temperature, knobs.top_k, knobs.top_p)
+    logits = _filter_logits(logits, knobs.temperature, knobs.top_k, knobs.top_p)
     return jax.random.categorical(jax.random.fold_in(key, t), logits).astype(jnp.int32)
 
   def choose(logits, t, done):
