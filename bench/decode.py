@@ -89,15 +89,17 @@ def worker_hf(args):
   import torch
   import transformers
   torch.set_num_threads(os.cpu_count())
-  family = json.load(open(os.path.join(args.dir, "config.json")))["model_type"]
-  cls = getattr(transformers, HF_CLASSES["t5" if family == "t5" else "gpt"])
+  with open(os.path.join(args.dir, "config.json")) as f:
+    family = "t5" if json.load(f)["model_type"] == "t5" else "gpt"
+  cls = getattr(transformers, HF_CLASSES[family])
   model = cls.from_pretrained(args.dir, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype])
   model.eval()
   model.generation_config.eos_token_id = None   # as ours: no EOS, every row runs to the end
   prompts = torch.tensor(_prompts(args))
   mask = torch.ones_like(prompts)
-  kw = dict(do_sample=False, num_beams=args.num_beams if args.method == "beam" else 1, pad_token_id=0)
-  kw.update(early_stopping=True, length_penalty=1.0) if args.method == "beam" else None
+  kw = dict(do_sample=False, num_beams=1, pad_token_id=0)
+  if args.method == "beam":
+    kw.update(num_beams=args.num_beams, early_stopping=True, length_penalty=1.0)
 
   def run(new_tokens=args.new_tokens):
     with torch.no_grad():
@@ -182,14 +184,17 @@ def main():
 
 
 def line(model, method, res, args) -> str:
+  """One table row; '-' where a side failed."""
   ours, hf = res.get("ours"), res.get("hf")
-  rate = lambda r: r and args.batch * args.new_tokens / r["median_s"]
   fmt = lambda x, spec: "-" if x is None else format(x, spec)
+  rate = lambda r: r and args.batch * args.new_tokens / r["median_s"]
+  ratio = ours and hf and rate(ours) / rate(hf)
+  compile_s = ours and ours["first_s"] - ours["median_s"]
   same = "-" if not (ours and hf) else "yes" if ours["tokens"] == hf["tokens"] else "NO"
-  return (f"{model:6s} {method:6s} {fmt(rate(ours), '10.1f')} {fmt(rate(hf), '9.1f')} "
-          f"{fmt(ours and hf and rate(ours) / rate(hf), '6.2f')}x {fmt(ours and ours['first_s'] - ours['median_s'], '9.1f')} "
-          f"{same:>11s} {fmt(ours and ours['util'], '4.2f')},{fmt(hf and hf['util'], '4.2f')} "
-          f"{max(r['load'] for r in (ours, hf) if r) if ours or hf else 0:4.1f}")
+  util = f"{fmt(ours and ours['util'], '4.2f')},{fmt(hf and hf['util'], '4.2f')}"
+  load = max((r["load"] for r in (ours, hf) if r), default=None)
+  return (f"{model:6s} {method:6s} {fmt(rate(ours), '10.1f')} {fmt(rate(hf), '9.1f')} {fmt(ratio, '6.2f')}x "
+          f"{fmt(compile_s, '9.1f')} {same:>11s} {util:>9s} {fmt(load, '4.1f')}")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ would produce it: lm-evaluation-harness' loglikelihood requests.
 
 Both run under a mesh like the train step: call them inside `jax.set_mesh(mesh)` and
 `nn.logical_axis_rules(rules)` with params placed by the trainer's shardings; the models' logical
-constraints then spread the rows (and beams) over the data axes. Prompt and sequence lengths are rounded up
-to a few bucket sizes, so new lengths rarely recompile.
+constraints then spread the rows (and beams) over the data axes, and the results come back replicated. Prompt
+and sequence lengths are rounded up to a few bucket sizes, so new lengths rarely recompile (a new number of
+prompts, max_new_tokens or num_beams does).
 """
 import functools
 from typing import NamedTuple
@@ -217,7 +218,7 @@ def _generate(cfg, opts, params, ids, mask, key, knobs):
     tokens = _sample_loop(cfg, opts, knobs, params, ids, mask, key)
   is_eos = tokens == knobs.eos_id
   lengths = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, opts.max_new_tokens)
-  return tokens, lengths
+  return layers.constrain(tokens, (None, None)), layers.constrain(lengths, (None,))   # replicated: every host reads
 
 
 def generate(model_cfg, params, prompts_ids, *, max_new_tokens: int, method: str = "greedy",
@@ -276,7 +277,8 @@ def _score_batch(cfg, params, inputs, targets, weights):
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   logprob = picked - jax.nn.logsumexp(logits, axis=-1)
   greedy = (jnp.argmax(logits, axis=-1) == targets) | (weights == 0)
-  return jnp.sum(logprob * weights, axis=1), jnp.all(greedy, axis=1)
+  return (layers.constrain(jnp.sum(logprob * weights, axis=1), (None,)),   # replicated: every host reads them
+          layers.constrain(jnp.all(greedy, axis=1), (None,)))
 
 
 def score(model_cfg, params, contexts, continuations, *, batch_size: int = 8) -> tuple[np.ndarray, np.ndarray]:
