@@ -157,7 +157,7 @@ def _to_host(metrics: list) -> list[dict]:
 def _check_finite(host_metrics: list[dict], first_step: int, mngr):
   for i, m in enumerate(host_metrics):
     if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-      mngr.wait_until_finished()
+      checkpoint.finish(mngr)
       last = mngr.latest_step()
       raise FloatingPointError(f"non-finite loss ({m['loss']}) or grad norm ({m['grad_norm']}) at step "
                                f"{first_step + i + 1}; not saved. Last good checkpoint: step {last}")
@@ -203,14 +203,12 @@ def train(config, workdir: str, *, devices=None) -> dict:
   train_it = pipeline.make_train_iterator(config, tokenizer, process_index=jax.process_index(),
                                           process_count=jax.process_count())
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    latest = mngr.latest_step()
-    if latest is None:
+    restored = checkpoint.restore_latest(mngr, abstract, state_sh, config, with_data=True)
+    latest = restored.step if restored else None
+    if restored is None:
       state = _init_state(config, tx, state_sh)
     else:
-      saved = checkpoint.saved_config(mngr, latest)
-      checkpoint.check_model(saved, config, mngr.directory)
-      changes = checkpoint.data_changes(saved, config)
-      state, data_state = checkpoint.restore(mngr, latest, abstract, state_sh, with_data=not changes)
+      state, data_state, changes = restored.state, restored.data_state, restored.data_changes
       if not changes and len(data_state["processes"]) != jax.process_count():
         changes = [f"processes: {len(data_state['processes'])} -> {jax.process_count()}"]
       if changes:
@@ -233,6 +231,7 @@ def train(config, workdir: str, *, devices=None) -> dict:
     with _Preemption() as preemption:
       for s in range(start + 1, end + 1):
         state, metrics = train_step(state, sharding.global_batch(next(train_it), batch_sh))
+        checkpoint.check_save(mngr)
         pending.append(metrics)
         last = s == end
         log_now = s % config.log_every == 0 or last or s == 1  # step 1: the initial loss, right after compiling
@@ -263,7 +262,7 @@ def train(config, workdir: str, *, devices=None) -> dict:
         if stop:
           _print(f"SIGTERM: saved step {s}, exiting")
           break
-    mngr.wait_until_finished()
+    checkpoint.finish(mngr)
     mngr.close()
     log.close()
     train_it.close()
@@ -275,24 +274,22 @@ def _restore_params(config, workdir):
   """(objective, tokenizer, mesh, rules, params_sharding, params, step) of the latest checkpoint."""
   objective, tokenizer, mesh, rules, _, _, abstract, state_sh = _setup(config, workdir)
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
-  latest = mngr.latest_step()
-  if latest is None:
-    raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
-  checkpoint.check_model(checkpoint.saved_config(mngr, latest), config, mngr.directory)
   with jax.set_mesh(mesh):
-    state, _ = checkpoint.restore(mngr, latest, abstract, state_sh, with_data=False)
+    restored = checkpoint.restore_latest(mngr, abstract, state_sh, config, with_data=False)
+  if restored is None:
+    raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
   mngr.close()
-  return objective, tokenizer, mesh, rules, state_sh["params"], state["params"], latest
+  return objective, tokenizer, mesh, rules, state_sh["params"], restored.state["params"], restored.step
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
-  """Held-out loss, perplexity, bits per byte and accuracies of the latest checkpoint; printed and appended
-  to metrics.jsonl."""
+  """Held-out loss, perplexity, bits per byte and accuracies of the latest checkpoint; printed, then appended
+  to metrics.jsonl (a workdir that cannot be written only warns)."""
   objective, tokenizer, mesh, rules, params_sh, params, latest = _restore_params(config, workdir)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     record = {"step": latest, **_eval_fn(config, objective, tokenizer, mesh, params_sh)(params)}
-  metrics_log.MetricsLog(workdir, resume_step=10**12, tensorboard=False).write(record)  # no-op off process 0
   _print(metrics_log.console(record, latest))
+  metrics_log.MetricsLog(workdir, resume_step=10**12, tensorboard=False).write(record)  # no-op off process 0
   return record
 
 
