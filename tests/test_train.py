@@ -1,12 +1,9 @@
-"""The trainer in-process: meshes of 8 simulated devices give the single-device loss with really sharded state,
-and a checkpoint restores onto another mesh; config errors come before compiling. Also the tiny test setup
-(values / flags / load_config) that test_cli.py and test_checkpoint.py use."""
-import json
+"""The trainer in-process: config errors come before compiling. Also the tiny test setup (values / flags /
+load_config) that test_cli.py, test_checkpoint.py and test_mesh.py use."""
 import os
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -51,62 +48,6 @@ def cli(*args, env=None, timeout=900):
 def records(workdir, kind="train"):
   recs = metrics_log.read(os.path.join(workdir, "metrics.jsonl"))
   return [r for r in recs if ("loss" in r) == (kind == "train")]
-
-
-# -------------------------------------------------------------------------------------- 8 simulated devices
-MESH_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import jax, numpy as np
-    sys.path.insert(0, {tests!r})
-    from test_train import load_config
-    from lm_jax import train
-    import pathlib
-    data, work = pathlib.Path({data!r}), pathlib.Path({work!r})
-    out = {{}}
-    for mesh in [(1, 1, 1), (8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]:
-      config = load_config("clm", data, total_steps=5, log_every=5, eval_every=0, checkpoint_every=5,
-                           batch_size=16, **{{"optimizer.warmup_steps": 2, "mesh.data": mesh[0],
-                                              "mesh.fsdp": mesh[1], "mesh.tensor": mesh[2],
-                                              "data.tokenizer": {tokenizer!r}}})
-      name = "x".join(map(str, mesh))
-      result = train.train(config, str(work / name), devices=jax.devices()[:int(np.prod(mesh))])
-      state = result["state"]
-      shards = lambda x: [list(x.sharding.spec), list(x.addressable_shards[0].data.shape)]
-      mu = state["opt_state"].mu  # optim.adam: clipping, Adam and weight decay in one state
-      out[name] = dict(loss=result["train"]["loss"],
-                       wi=shards(state["params"]["layers_0"]["mlp"]["wi"]["kernel"]),
-                       wi_mu=shards(mu["layers_0"]["mlp"]["wi"]["kernel"]),
-                       embed=shards(state["params"]["word_embeddings"]["embedding"]))
-    # Restore the (2, 2, 2) checkpoint onto a (1, 4, 2) mesh: same values, new shards.
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 4, 2
-    again = train.train(config, str(work / "2x2x2"))["state"]["params"]["layers_0"]["mlp"]["wi"]["kernel"]
-    out["restored"] = dict(shape=list(again.addressable_shards[0].data.shape), sum=float(np.asarray(again).sum()))
-    print("RESULT" + json.dumps(out))
-""")
-
-
-def test_meshes_match_single_device(shared_data, tmp_path):
-  tokenizer_dir = tmp_path / "tok"
-  config = load_config("clm", shared_data)
-  from lm_jax.data import tokenizer as tokenizer_lib
-  tokenizer_lib.load_or_train(config, str(tokenizer_dir))  # train once, share with every mesh
-  tokenizer = str(next(tokenizer_dir.glob("*.model")))
-  script = MESH_SCRIPT.format(tests=str(REPO / "tests"), data=str(shared_data), work=str(tmp_path),
-                              tokenizer=tokenizer)
-  run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
-  assert run.returncode == 0, run.stderr[-3000:]
-  out = json.loads(run.stdout.split("RESULT")[-1])
-  single = out["1x1x1"]["loss"]
-  for name in ("8x1x1", "2x4x1", "2x2x2", "1x4x2"):
-    assert out[name]["loss"] == pytest.approx(single, rel=1e-5), name
-  # d_model 32 x d_ff 128 kernel over (fsdp, tensor); embedding (vocab 256, 32) over (tensor, fsdp)
-  expected = {"1x1x1": [32, 128], "8x1x1": [32, 128], "2x4x1": [8, 128], "2x2x2": [16, 64], "1x4x2": [8, 64]}
-  for name, shape in expected.items():
-    assert out[name]["wi"] == [["fsdp"], ["tensor"]] or out[name]["wi"][0] == ["fsdp", "tensor"]
-    assert out[name]["wi"][1] == shape and out[name]["wi_mu"][1] == shape, (name, out[name])
-  assert out["1x4x2"]["embed"][1] == [128, 8]
-  assert out["restored"]["shape"] == [8, 64]
 
 
 # ------------------------------------------------------------------------------------ config errors, early
