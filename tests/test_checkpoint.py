@@ -18,8 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from lm_jax import checkpoint, metrics_log, train
-from test_train import REPO, cli, flags, load_config, records
+from lm_jax import checkpoint, metrics_log, optim, train
+from conftest import REPO, cli, flags, load_config, records
 
 STEPS = 150
 
@@ -126,7 +126,7 @@ def test_bert_phase_two_resumes_phase_one(shared_data, tmp_path, capsys):
   assert second["step"] == 8
   recs = metrics_log.read(str(tmp_path / "metrics.jsonl"))
   assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6, 7, 8]
-  lr = train.optim.schedule(phase2.optimizer, 8)  # one schedule over both phases
+  lr = optim.schedule(phase2.optimizer, 8)  # one schedule over both phases
   assert [r["lr"] for r in recs] == pytest.approx([float(lr(s - 1)) for s in range(1, 9)], rel=1e-6)
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from lm_jax import flops, objectives
-from test_train import cli, flags, load_config, records
+from conftest import cli, flags, load_config, records
 
 PEAK_TFLOPS = 0.05   # fixed, so the logged MFU can be checked against the FLOP count exactly
 

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from test_train import REPO
+from conftest import REPO
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2), (2, 4, 1)]
 # d_model 64, not test_train's 32: at 32, XLA partitions BERT's tied MLM decoder differently and the (2,2,2) test
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     import json, pathlib, sys
     import jax, numpy as np
     sys.path.insert(0, {tests!r})
-    from test_train import load_config, records
+    from conftest import load_config, records
     from lm_jax import train
     from lm_jax.data import tokenizer as tokenizer_lib
     objective, data, work = {objective!r}, pathlib.Path({data!r}), pathlib.Path({work!r})
