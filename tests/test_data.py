@@ -129,7 +129,7 @@ def test_tfds_tiny_shakespeare_offline_through_the_trainer_path(shared_data, tmp
   batch = next(_train_it(c, toks["clm"], prefetch=0))
   assert batch["input_ids"].shape == (8, 64) and batch["weights"].sum() > 0
   evals = _eval_it(c, toks["clm"])
-  assert len(evals) == c.data.eval_batches and 1.5 < evals.bytes_per_token < 4
+  assert len(evals) == c.data.eval_batches and 1.5 < evals.text_per_token["bytes"] < 4
 
 
 class ToyDocs(tfds.core.GeneratorBasedBuilder):
@@ -365,7 +365,7 @@ def test_eval_batches_are_finite_repeatable_and_split_across_hosts(files, toks):
   c = _config("clm", files / "big.txt", eval_batches=3)
   c.data.eval_split = "train[80%:]"
   one = _eval_it(c, toks["clm"])
-  assert len(list(one)) == 3 and 1.5 < one.bytes_per_token < 4
+  assert len(list(one)) == 3 and 1.5 < one.text_per_token["bytes"] < 4
   _same(list(one), list(one))
   hosts = [list(_eval_it(c, toks["clm"], process_index=h, process_count=2)) for h in (0, 1)]
   for b, (h0, h1) in enumerate(zip(*hosts)):
