@@ -185,3 +185,8 @@ def test_export_errors(shared_data, tmp_path):
   with pytest.raises(ValueError, match="SentencePiece model: user-defined pieces cannot be exported"):
     export.save_hf(cfg, zeros(cfg), str(tmp_path / "user"), tokenizer=tokenizer_lib.load(str(model), "gpt"))
   assert not (tmp_path / "user").exists()   # nothing written
+  export.save_hf(cfg, zeros(cfg), str(tmp_path / "bare"))
+  with pytest.raises(FileNotFoundError, match="bare has no tokenizer.json, vocab.txt or"):
+    export.load_hf_tokenizer(str(tmp_path / "bare"))
+  generation = json.loads((tmp_path / "bare" / "generation_config.json").read_text())
+  assert generation == {"eos_token_id": 1, "pad_token_id": 0}   # from the model config without a tokenizer

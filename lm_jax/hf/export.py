@@ -30,10 +30,10 @@ def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer 
   mod = hf.family_module(family)
   config = mod.hf_config(model_cfg)
   tensors = mod.to_hf(model_cfg, params)
-  need = tokenizer and tokenizer.vocab_size + (tokenizer_lib.NUM_SENTINELS if family == "t5" else 0)
-  if tokenizer is not None and need > model_cfg.vocab_size:
-    raise ValueError(f"the tokenizer has {need} ids, more than the model's vocab_size={model_cfg.vocab_size}")
-  if tokenizer is not None:   # first: a tokenizer it cannot convert stops the export before any file is written
+  if tokenizer is not None:   # first: a tokenizer that does not fit stops the export before any file is written
+    need = tokenizer.vocab_size + (tokenizer_lib.NUM_SENTINELS if family == "t5" else 0)
+    if need > model_cfg.vocab_size:
+      raise ValueError(f"the tokenizer has {need} ids, more than the model's vocab_size={model_cfg.vocab_size}")
     hf_tokenizer.save(tokenizer, family, out_dir,   # T5's relative positions have no length limit
                       model_max_length=None if family == "t5" else model_cfg.max_positions)
   os.makedirs(out_dir, exist_ok=True)
@@ -84,7 +84,13 @@ def load_hf(path: str, **overrides):
 def load_hf_tokenizer(path: str) -> tokenizer_lib.Tokenizer:
   """The tokenizer of a Hugging Face directory (tokenizer.json, vocab.txt or a SentencePiece *.model), with the
   special ids of the family its config.json names: what save_hf wrote gives the exported tokenizer's ids."""
-  family = _read_config(os.path.join(path, "config.json")).family
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f"{config_path} not found")
+  family = _read_config(config_path).family
+  if not glob.glob(os.path.join(path, "*.model")) and not any(
+      os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "vocab.txt")):
+    raise FileNotFoundError(f"{path} has no tokenizer.json, vocab.txt or *.model (exported without a tokenizer?)")
   return tokenizer_lib.load(path, family)
 
 

@@ -21,7 +21,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 from lm_jax.data import tokenizer as tokenizer_lib
 
 _ROLES = ("pad", "eos", "unk", "cls", "sep", "mask")
-_NORMAL, _UNKNOWN, _CONTROL = 1, 2, 3    # SentencePiece ModelProto.SentencePiece.Type
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4    # SentencePiece ModelProto.SentencePiece.Type
 
 
 def backend(tok: tokenizer_lib.Tokenizer, family: str) -> tokenizers.Tokenizer:
@@ -35,12 +35,11 @@ def backend(tok: tokenizer_lib.Tokenizer, family: str) -> tokenizers.Tokenizer:
 def save(tok: tokenizer_lib.Tokenizer, family: str, out_dir: str, model_max_length: int | None = None) -> None:
   """tokenizer.json, tokenizer_config.json and special_tokens_map.json of `tok` in out_dir."""
   backend_tok = backend(tok, family)
-  specials = special_tokens(tok, family, backend_tok)
+  specials = _special_tokens(tok, family, backend_tok)
+  # Only BERT takes token_type_ids (OpenAIGPTModel would add their word embeddings); GPT generates from the left.
+  inputs = ["input_ids", "token_type_ids", "attention_mask"] if family == "bert" else ["input_ids", "attention_mask"]
   config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **specials,
-            # OpenAIGPTModel would embed token_type_ids with its word embeddings: do not return them
-            "model_input_names": ["input_ids", "token_type_ids" if family == "bert" else None, "attention_mask"],
-            "padding_side": "left" if family == "gpt" else "right"}
-  config["model_input_names"] = [n for n in config["model_input_names"] if n]
+            "model_input_names": inputs, "padding_side": "left" if family == "gpt" else "right"}
   if model_max_length:
     config["model_max_length"] = model_max_length
   os.makedirs(out_dir, exist_ok=True)
@@ -50,7 +49,7 @@ def save(tok: tokenizer_lib.Tokenizer, family: str, out_dir: str, model_max_leng
       json.dump(fields, f, indent=2, ensure_ascii=False)
 
 
-def special_tokens(tok: tokenizer_lib.Tokenizer, family: str, backend_tok: tokenizers.Tokenizer) -> dict:
+def _special_tokens(tok: tokenizer_lib.Tokenizer, family: str, backend_tok: tokenizers.Tokenizer) -> dict:
   """{'pad_token': '<pad>', ...} of the roles `tok` has, plus T5's sentinels as additional_special_tokens."""
   out = {}
   for role in _ROLES:
@@ -66,13 +65,12 @@ def _from_sentencepiece(tok: tokenizer_lib.Tokenizer, family: str) -> tokenizers
   from sentencepiece import sentencepiece_model_pb2
   proto = sentencepiece_model_pb2.ModelProto.FromString(tok.serialized)
   spec, norm = proto.trainer_spec, proto.normalizer_spec
-  kinds = {spec.UNIGRAM: "unigram", spec.BPE: "bpe"}
-  unsupported = [what for what, bad in (("model type other than unigram or bpe", spec.model_type not in kinds),
-                                        ("byte_fallback", spec.byte_fallback),
-                                        ("user-defined pieces", any(p.type == 4 for p in proto.pieces)))
-                 if bad]
-  if unsupported:
-    raise ValueError(f"SentencePiece model: {', '.join(unsupported)} cannot be exported to Hugging Face")
+  problems = {"a model type other than unigram or bpe": spec.model_type not in (spec.UNIGRAM, spec.BPE),
+              "byte_fallback": spec.byte_fallback,
+              "user-defined pieces": any(p.type == _USER_DEFINED for p in proto.pieces)}
+  if any(problems.values()):
+    raise ValueError(f"SentencePiece model: {', '.join(k for k, bad in problems.items() if bad)} cannot be "
+                     "exported to Hugging Face")
   pieces = [(p.piece, p.score) for p in proto.pieces]
   if spec.model_type == spec.UNIGRAM:
     model = models.Unigram(pieces, spec.unk_id, False)
