@@ -5,7 +5,7 @@ import pytest
 
 from lm_jax import flops, objectives
 from lm_jax.data import tokenizer
-from test_train import cli, flags, load_config, records
+from conftest import cli, flags, load_config, records
 
 PEAK_TFLOPS = 0.05   # fixed, so the logged MFU can be checked against the FLOP count exactly
 

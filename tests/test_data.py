@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from configs import bert, gpt1, t5
-from lm_jax import objectives
+from lm_jax import config_lib, objectives
 from lm_jax.data import nsp, packing, pipeline, sources, tokenizer
 
-MODULES = {"clm": gpt1, "mlm": bert, "span_corruption": t5}
+CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def files(text, tmp_path_factory):
 
 
 def _config(objective, path, *, nsp_=False, vocab=320, seq_len=64, batch=8, **data):
-  c = MODULES[objective].get_config("tiny")
+  c = config_lib.load(CONFIGS[objective])
   c.model.vocab_size = vocab + (100 if objective == "span_corruption" else 0)
   c.data.files = str(path)
   c.data.tokenizer_type = "bpe"
@@ -47,7 +46,7 @@ def _config(objective, path, *, nsp_=False, vocab=320, seq_len=64, batch=8, **da
 def toks(files, tmp_path_factory):
   """A BPE tokenizer per family, trained on the big corpus."""
   work = tmp_path_factory.mktemp("tok")
-  return {o: tokenizer.load_or_train(_config(o, files / "big.txt"), str(work)) for o in MODULES}
+  return {o: tokenizer.load_or_train(_config(o, files / "big.txt"), str(work)) for o in CONFIGS}
 
 
 def _train_it(c, tok, **kw):
@@ -119,7 +118,7 @@ def test_tfds_tiny_shakespeare_offline_through_the_trainer_path(shared_data, tmp
   """Build the catalog tiny_shakespeare (array_record, no TensorFlow) from the local input.txt, then read it
   with the same calls the trainer makes."""
   sources.prepare_tfds("tiny_shakespeare", str(tmp_path), manual_dir=str(shared_data / "tiny_shakespeare"))
-  c = gpt1.get_config("tiny")
+  c = config_lib.load("configs/gpt1.py:tiny")
   c.data.tfds_data_dir = str(tmp_path)
   c.data.seq_len, c.batch_size, c.model.vocab_size = 64, 8, 320
   splits = {s: sources.documents(c, s) for s in ("train", "validation", "test")}

@@ -9,7 +9,7 @@ import numpy as np
 from lm_jax import metrics_log, models, objectives, train
 from lm_jax.data import packing, rows
 from lm_jax.objectives import losses
-from test_train import load_config
+from conftest import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
