@@ -66,12 +66,29 @@ def test_loglikelihoods_equal_score(gpt, harness):
   requests = list(task.instances) + [
       Instance("loglikelihood", {}, ("", text), 0) for text in ("First Citizen:", "Speak, speak.")]
   assert len(requests) == 26 and all(r.request_type == "loglikelihood" for r in requests)
+  requests += greedy_requests(lm, tok, [r.args[0] for r in requests[:24:2]])
   theirs = lm.loglikelihood(requests, disable_tqdm=True)
   pairs = [our_pair(tok, *r.args) for r in requests]
   assert max(len(c) + len(x) for c, x in pairs) <= model_cfg.max_positions   # no truncation on either side
   logprob, greedy = decoding.score(model_cfg, params, [c for c, _ in pairs], [x for _, x in pairs])
   np.testing.assert_allclose(np.asarray(logprob), [lp for lp, _ in theirs], atol=1e-4, rtol=0)
-  assert list(np.asarray(greedy, bool)) == [g for _, g in theirs]
+  assert list(np.asarray(greedy, bool)) == [g for _, g in theirs] and greedy[26:].all() and not greedy[:26].any()
+
+
+def greedy_requests(lm, tok, contexts):
+  """(context, word) requests whose continuation is the one token the exported model's argmax picks after the
+  context, where that token is a whole word that encodes back to itself."""
+  import torch
+  from lm_eval.api.instance import Instance
+  out = []
+  for context in contexts:
+    with torch.no_grad():
+      best = int(lm.model(torch.tensor([tok.encode(context)])).logits[0, -1].argmax())
+    word = " " + tok.decode([best])
+    if our_pair(tok, context, word)[1] == [best]:
+      out.append(Instance("loglikelihood", {}, (context, word), 0))
+  assert out, "no context's greedy token is a whole word"
+  return out
 
 
 def test_local_tasks_evaluate(harness, monkeypatch):
