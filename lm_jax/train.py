@@ -220,13 +220,13 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
 
 
 def export_checkpoint(config, workdir: str, export_dir: str):
-  """The latest checkpoint's params as a Hugging Face directory (lm_jax.hf.export.save_hf)."""
+  """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf)."""
   from lm_jax.hf import export
-  _, params, latest = restore_params(config, workdir)
+  s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
-    export.save_hf(config.model, jax.device_get(params), export_dir)
+    export.save_hf(config.model, jax.device_get(params), export_dir, tokenizer=s.tokenizer)
   _print(f"exported step {latest} to {export_dir}")
   return export_dir
