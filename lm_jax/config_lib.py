@@ -216,9 +216,6 @@ def _check_numbers(config):
     _require(not isinstance(value, float) or math.isfinite(value), f"config.{path} must be finite, got {value}")
   for path, (rule, ok) in RANGES.items():
     _require(ok(fields[path]), f"config.{path} must be {rule}, got {fields[path]!r}")
-  _require(not config.eval_every or config.data.eval_batches >= 1,
-           f"config.data.eval_batches must be >= 1 when config.eval_every={config.eval_every} evaluates, got "
-           f"{config.data.eval_batches}")
   m = config.model
   for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
     _require(0 <= m[name] < m.vocab_size,

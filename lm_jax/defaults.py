@@ -5,6 +5,7 @@ import ml_collections
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.objective = ""
+  c.init_from = ""                # a Hugging Face directory or another run's workdir to start from
   c.model = ml_collections.ConfigDict()
 
   c.data = ml_collections.ConfigDict()
@@ -26,7 +27,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.mean_noise_span_length = 3.0
   c.data.shuffle = True
   c.data.shards = 1               # training stream shards; hosts split them (see lm_jax/data/pipeline.py)
-  c.data.eval_batches = 8
+  c.data.eval_batches = 8         # batches per eval; 0 = every complete batch of the eval split
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adamw"

@@ -1,13 +1,14 @@
-"""Held-out metrics from per-batch eval metrics: loss, perplexity, bits per byte, accuracies.
+"""Held-out metrics over a whole eval set, exact at corpus level: loss, perplexity, bits, accuracies.
 
-Eval batches have the same number of rows, and for packed text nearly the same number of scored
-tokens, so batch means are averaged with equal weights. token_loss is the mean NLL in nats per scored
-token: perplexity = e^token_loss, bits per byte = token_loss / ln 2 / (bytes per token)
-(docs/reference.md#eval-metrics).
+Each eval batch gives the objective's metrics (sums over the batch / the batch's denominators) and the
+denominators themselves. Multiplying back gives the batch's sums, so every metric is the total over all
+batches divided by the total denominator: perplexity = exp(total NLL / total scored tokens), not a mean of
+batch means (batches of packed or padded text score different numbers of tokens). token_loss is the NLL in
+nats per scored token; bits per token = token_loss / ln 2; bits per byte (per character) divide the total
+bits by the UTF-8 bytes (characters) the scored tokens stand for, estimated from the eval text's bytes
+(characters) per token (docs/reference.md#eval-metrics).
 """
 import math
-
-import numpy as np
 
 
 def perplexity(token_loss: float) -> float:
@@ -18,13 +19,22 @@ def bits_per_byte(token_loss: float, bytes_per_token: float) -> float:
   return token_loss / math.log(2) / bytes_per_token
 
 
-def summarize(batch_metrics: list[dict], bytes_per_token: float | None) -> dict:
-  """List of per-batch metric dicts (floats) -> {eval_<metric>, eval_perplexity, eval_bits_per_byte}."""
-  if not batch_metrics:
+def summarize(batches: list[tuple[dict, dict]], denominator_of, text_per_token: dict | None = None) -> dict:
+  """[(metrics, denominators) per batch, floats] -> {eval_<metric>, eval_perplexity, eval_bits_per_token,
+  eval_bits_per_byte, eval_bits_per_char}. denominator_of(metric name) -> the denominator key it was divided
+  by; text_per_token = {'bytes': ..., 'chars': ...} of the eval text."""
+  if not batches:
     raise ValueError("no eval batches: check config.data.eval_split and config.data.eval_batches")
-  mean = {k: float(np.mean([m[k] for m in batch_metrics])) for k in batch_metrics[0]}
-  out = {f"eval_{k}": v for k, v in mean.items()}
-  out["eval_perplexity"] = perplexity(mean["token_loss"])
-  if bytes_per_token:
-    out["eval_bits_per_byte"] = bits_per_byte(mean["token_loss"], bytes_per_token)
+  out = {}
+  for k in batches[0][0]:
+    key = denominator_of(k)
+    total = sum(den[key] for _, den in batches)
+    out[f"eval_{k}"] = sum(m[k] * den[key] for m, den in batches) / max(total, 1.0)
+  token_loss = out["eval_token_loss"]
+  out["eval_perplexity"] = perplexity(token_loss)
+  out["eval_bits_per_token"] = token_loss / math.log(2)
+  for unit in ("bytes", "chars"):
+    if text_per_token and text_per_token.get(unit):
+      out[f"eval_bits_per_{unit[:-1]}"] = bits_per_byte(token_loss, text_per_token[unit])
+  out["eval_tokens"] = sum(den[denominator_of("token_loss")] for _, den in batches)
   return out

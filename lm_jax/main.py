@@ -15,14 +15,21 @@ from lm_jax import config_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary"], "what to do")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary", "fill_mask"], "what to do")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "--mode=fill_mask: a text with [MASK]s (repeatable)")
+_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "prompts, one per line (with or instead of --prompt)")
+_INIT_FROM = flags.DEFINE_string("init_from", None, "a Hugging Face directory or run workdir to evaluate / start "
+                                 "from (sets config.init_from)")
 
 
 def main(args):
   _, overrides = args
   with config_lib.user_errors():
-    _run(config_lib.load(_CONFIG.value, overrides), _MODE.value)
+    config = config_lib.load(_CONFIG.value, overrides)
+    if _INIT_FROM.value:
+      config.init_from = _INIT_FROM.value
+    _run(config, _MODE.value)
 
 
 def _run(config, mode):
@@ -38,10 +45,21 @@ def _run(config, mode):
     train.train(config, _WORKDIR.value)
   elif mode == "eval":
     train.evaluate_checkpoint(config, _WORKDIR.value)
+  elif mode == "fill_mask":
+    _print_fills(config)
   else:
     if not _EXPORT_DIR.value:
       raise app.UsageError("--export_dir is required for --mode=export")
     train.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value)
+
+
+def _print_fills(config):
+  from lm_jax import inference
+  texts = inference.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
+  for text, masks in zip(texts, inference.fill_mask(config, _WORKDIR.value, texts)):
+    print(text)
+    for k, best in enumerate(masks):
+      print(f"  [MASK] {k + 1}: " + "  ".join(f"{token!r} {p:.3f}" for token, p in best))
 
 
 if __name__ == "__main__":

@@ -81,11 +81,12 @@ def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
 
 
 def make_eval_step(config, objective, params_sharding, mesh):
-  """Jitted (params, batch) -> metrics of that batch (loss, token_loss, accuracies), no dropout."""
+  """Jitted (params, batch) -> (metrics of that batch (loss, token_loss, accuracies), its denominators), no
+  dropout; lm_jax.evaluate turns them into corpus-level totals."""
   def step(params, batch):
     den = objective.denominators(batch)
     _, metrics = objective.loss(config, params, batch, den, rng=None, train=False)
-    return jax.tree.map(lambda x: x.astype(jnp.float32), metrics)
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), (metrics, den))
 
   return jax.jit(step, in_shardings=(params_sharding, sharding.batch_sharding(mesh)),
                  out_shardings=NamedSharding(mesh, P()))

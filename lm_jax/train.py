@@ -6,12 +6,10 @@ The hot loop never waits for the device: metrics stay on device and are fetched 
 """
 import dataclasses
 import math
-import signal
 import time
 from typing import Callable
 
 import jax
-import numpy as np
 from etils import epath
 from flax import linen as nn
 from jax.sharding import Mesh
@@ -66,60 +64,29 @@ def make_evaluator(s: Setup) -> Callable:
   batch_sh = sharding.batch_sharding(s.mesh)
 
   def run(params):
-    out = [eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches]
-    return evaluate.summarize(jax.device_get(out), it.bytes_per_token)
+    out = jax.device_get([eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches])
+    out = [({k: float(v) for k, v in m.items()}, {k: float(v) for k, v in d.items()}) for m, d in out]
+    return evaluate.summarize(out, lambda metric: s.objective.denominator_of(metric, out[0][1]), it.text_per_token)
   return run
 
 
 def _init_or_restore(s: Setup, mngr, train_it):
   """(state, start step): the latest checkpoint with its data position, or a fresh state at step 0."""
-  latest = mngr.latest_step()
-  if latest is None:
+  restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=True)
+  if restored is None:
     return step.fresh_state(s.config, s.tx, s.state_sharding), 0
-  saved = checkpoint.saved_config(mngr, latest)
-  checkpoint.check_model(saved, s.config, mngr.directory)
-  changes = checkpoint.data_changes(saved, s.config)
-  state, data_state = checkpoint.restore(mngr, latest, s.abstract_state, s.state_sharding, with_data=not changes)
-  if data_state is not None and "shards" not in data_state:
+  changes = restored.data_changes
+  if restored.data_state is not None and "shards" not in restored.data_state:
     changes = ["data-iterator state of an older lm_jax"]
   if changes:
-    _print(f"resumed step {latest}; data config changed ({'; '.join(changes)}): fresh data iterator")
+    _print(f"resumed step {restored.step}; data config changed ({'; '.join(changes)}): fresh data iterator")
   else:
-    train_it.set_state(data_state)
-    _print(f"resumed step {latest} from {mngr.directory}")
-  return state, latest
+    train_it.set_state(restored.data_state)
+    _print(f"resumed step {restored.step} from {mngr.directory}")
+  return restored.state, restored.step
 
 
 # ------------------------------------------------------------------------------------- the loop's schedules
-class _Preemption:
-  """SIGTERM sets a flag; the loop saves after the current step and exits 0."""
-
-  def __init__(self):
-    self.requested, self._previous = False, None
-
-  def __enter__(self):
-    try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread: leave signals alone
-      pass
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-  def any_process(self) -> bool:
-    """Whether any host received SIGTERM (all hosts must stop at the same step)."""
-    if jax.process_count() == 1:
-      return self.requested
-    from jax.experimental import multihost_utils
-    return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
-
-
 class _Meter:
   """Metrics of the steps since the last log (kept on device) and their wall time, evals and saves excluded."""
 
@@ -133,7 +100,7 @@ class _Meter:
     """Raises before anything non-finite can be logged as fine or saved."""
     for i, m in enumerate(self.host_metrics() if host is None else host):
       if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-        mngr.wait_until_finished()
+        checkpoint.finish(mngr)
         raise FloatingPointError(f"non-finite loss ({m['loss']}) or grad norm ({m['grad_norm']}) at step "
                                  f"{self.first_step + i + 1}; not saved. Last good checkpoint: step {mngr.latest_step()}")
 
@@ -169,9 +136,10 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
   result, meter = {"step": start, "train": None, "eval": None}, _Meter(start)
   if start >= end:
     _print(f"nothing to do: checkpoint step {start} >= end step {end}")
-  with _Preemption() as preemption:
+  with checkpoint.Preemption() as preemption:
     for i in range(start + 1, end + 1):
       state, metrics = train_step(state, sharding.global_batch(next(train_it), batch_sh))
+      checkpoint.check_save(mngr)   # a background save that failed stops the run now, in one line
       meter.pending.append(metrics)
       last, log_now = i == end, i % c.log_every == 0 or i == end or i == 1  # step 1: loss right after compiling
       stop = preemption.any_process() if (log_now or jax.process_count() == 1) else False
@@ -202,29 +170,47 @@ def train(config, workdir: str, *, devices=None) -> dict:
     state, start = _init_or_restore(s, mngr, train_it)
     log = metrics_log.MetricsLog(workdir, start)
     state, result = _loop(s, state, start, mngr, train_it, log)
-    mngr.wait_until_finished()
+    checkpoint.finish(mngr)
     mngr.close()
     log.close()
     train_it.close()
   return {**result, "state": state}
 
 
-def restore_params(config, workdir: str):
-  """(setup, params placed on the mesh, step) of the latest checkpoint in workdir."""
+def _params_from_hf(config, workdir: str):
+  """(setup, params, 0) of the Hugging Face directory config.init_from: its model config replaces config.model
+  (runtime fields such as dtype and scan_layers stay the run's), its tokenizer is used unless data.tokenizer
+  names one."""
+  from lm_jax.hf import export
+  keep = {k: config.model[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers")}
+  model_cfg, params = export.load_hf(config.init_from, **keep)
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.model = model_cfg
+    config.data.tokenizer = config.data.tokenizer or config.init_from
   s = setup(config, workdir)
-  mngr = checkpoint.manager(workdir, config.keep_checkpoints)
-  latest = mngr.latest_step()
-  if latest is None:
-    raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
-  checkpoint.check_model(checkpoint.saved_config(mngr, latest), config, mngr.directory)
+  return s, jax.device_put(params, s.state_sharding["params"]), 0
+
+
+def restore_params(config, workdir: str):
+  """(setup, params placed on the mesh, step) of the latest checkpoint in workdir, or of config.init_from (a
+  Hugging Face directory, or another run's workdir)."""
+  if config.init_from and epath.Path(config.init_from, "config.json").exists():
+    return _params_from_hf(config, workdir)
+  source = config.init_from or workdir
+  s = setup(config, source)
+  mngr = checkpoint.manager(source, config.keep_checkpoints)
   with jax.set_mesh(s.mesh):
-    state, _ = checkpoint.restore(mngr, latest, s.abstract_state, s.state_sharding, with_data=False)
+    restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, config, with_data=False)
   mngr.close()
-  return s, state["params"], latest
+  if restored is None:
+    raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
+  return s, restored.state["params"], restored.step
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
-  """Held-out metrics of the latest checkpoint: printed first, then appended to metrics.jsonl."""
+  """Held-out metrics of the latest checkpoint (or of config.init_from): printed first, then appended to
+  workdir/metrics.jsonl."""
   s, params, latest = restore_params(config, workdir)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     record = {"step": latest, **make_evaluator(s)(params)}
@@ -234,13 +220,13 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
 
 
 def export_checkpoint(config, workdir: str, export_dir: str):
-  """The latest checkpoint's params as a Hugging Face directory (lm_jax.hf.export.save_hf)."""
+  """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf)."""
   from lm_jax.hf import export
-  _, params, latest = restore_params(config, workdir)
+  s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
-    export.save_hf(config.model, jax.device_get(params), export_dir)
+    export.save_hf(config.model, jax.device_get(params), export_dir, tokenizer=s.tokenizer)
   _print(f"exported step {latest} to {export_dir}")
   return export_dir

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lm_jax import config_lib, objectives
-from test_train import REPO, flags
+from conftest import REPO, flags
 
 VARIANTS = {"bert": ["base", "large", "base_512", "large_512", "tiny", "tiny_512"], "gpt1": ["gpt1", "tiny"],
             "t5": ["small", "base", "large", "v1_1_small", "v1_1_base", "v1_1_large", "v1_1_xl", "v1_1_xxl", "tiny"]}
@@ -94,7 +94,7 @@ BAD_NUMBERS = [  # (field, value, message fragment)
     ("peak_tflops", -1.0, "config.peak_tflops must be >= 0"),
     ("seed", -1, "config.seed must be >= 0"),
     ("eval_every", -1, "config.eval_every must be >= 0"),
-    ("data.eval_batches", 0, "config.data.eval_batches must be >= 1 when config.eval_every=100 evaluates"),
+    ("data.eval_batches", -1, "config.data.eval_batches must be >= 0"),
     ("data.target_len", -1, "config.data.target_len must be >= 0"),
     ("model.initializer_range", 0.0, "config.model.initializer_range must be > 0"),
     ("model.eos_token_id", 2048, "config.model.eos_token_id=2048 must be in [0, model.vocab_size=2048)"),

@@ -24,7 +24,7 @@ class Corpus:
     self._tok, self._as_sentences = tokenizer, as_sentences
     self._cache, self._cached, self._recent = {}, 0, {}
     self.stats = dict(documents=0, empty=0, undecodable=0, malformed=0, too_short=0)
-    self.bytes = self.tokens_count = 0
+    self.bytes = self.chars = self.tokens_count = 0
 
   def __len__(self):
     return len(self.docs)
@@ -63,6 +63,7 @@ class Corpus:
 
   def _count(self, texts, n):
     self.bytes += sum(len(t.encode("utf-8")) for t in texts)
+    self.chars += sum(map(len, texts))
     self.tokens_count += n
 
   def _store(self, i, value, reason):

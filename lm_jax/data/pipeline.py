@@ -26,6 +26,7 @@ from lm_jax.data import rows as rows_lib
 from lm_jax.data import sources
 
 WINDOW_ROWS = 1024            # rows shuffled together; a restore rebuilds at most this many
+_WHOLE_SPLIT = 1 << 40       # rows to ask for when evaluating a whole split
 _MOSTLY_PADDING = 0.5         # warn when less than this fraction of the row positions hold tokens
 
 
@@ -224,10 +225,11 @@ class TrainIterator:
 
 
 class EvalBatches:
-  """A finite, re-iterable list of local eval batches; .bytes_per_token for bits per byte."""
+  """A finite, re-iterable list of local eval batches; .text_per_token {'bytes', 'chars'} of the eval text, for
+  bits per byte and per character."""
 
-  def __init__(self, batches, bytes_per_token, stats):
-    self._batches, self.bytes_per_token, self.stats = batches, bytes_per_token, stats
+  def __init__(self, batches, text_per_token: dict, stats):
+    self._batches, self.text_per_token, self.stats = batches, text_per_token, stats
 
   def __len__(self):
     return len(self._batches)
@@ -271,15 +273,20 @@ def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0,
 
 def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,
                        process_count: int = 1) -> EvalBatches:
-  """config.data.eval_batches global batches of config.data.eval_split from its start (no shuffle), the same
-  on every run and for any number of hosts; each host keeps its slice."""
+  """config.data.eval_batches global batches of config.data.eval_split from its start (no shuffle; 0 = every
+  complete batch of the split), the same on every run and for any number of hosts; each host keeps its slice."""
   local = _local_rows(config, process_index, process_count)
   docs = sources.documents(config, config.data.eval_split)
   layout = objective.rows(config, tokenizer)
   corpus = corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
   source = rows_lib.ShardRows(layout, corpus, grain.MapDataset.range(len(docs)), seed=config.seed, shard=0)
-  rows, _ = source.window(0, (0, 0), config.data.eval_batches * config.batch_size)
-  n_batches = min(config.data.eval_batches, _num_rows(rows) // config.batch_size)
+  rows, _ = source.window(0, (0, 0), config.data.eval_batches * config.batch_size or _WHOLE_SPLIT)
+  n_batches = _num_rows(rows) // config.batch_size
+  if config.data.eval_batches:
+    n_batches = min(config.data.eval_batches, n_batches)
+  elif _num_rows(rows) % config.batch_size:
+    logging.warning("data: eval of the whole %s leaves out its last %d rows (less than one batch of %d)",
+                    docs.path, _num_rows(rows) % config.batch_size, config.batch_size)
   if n_batches == 0:
     raise ValueError(f"{docs.path} is too small for one eval batch of {config.batch_size} rows "
                      f"({_num_rows(rows)} rows of data.seq_len={config.data.seq_len})")
@@ -288,4 +295,5 @@ def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,
   for b in range(n_batches):
     global_rows = _take(rows, slice(b * config.batch_size, (b + 1) * config.batch_size))
     batches.append(_take(transform(global_rows, np.random.default_rng([config.seed, b, 1])), local))
-  return EvalBatches(batches, corpus.bytes / max(corpus.tokens_count, 1), corpus.stats)
+  per_token = {"bytes": corpus.bytes / max(corpus.tokens_count, 1), "chars": corpus.chars / max(corpus.tokens_count, 1)}
+  return EvalBatches(batches, per_token, corpus.stats)

@@ -1,5 +1,6 @@
-"""Hugging Face BERT: BertForPreTraining (what save_hf writes) and encoder-only BertModel checkpoints, which
-load with the pooler and heads initialised randomly, as transformers does."""
+"""Hugging Face BERT: BertForPreTraining (what save_hf writes; BertForMaskedLM loads it too, leaving the pooler and
+NSP head aside, as it does bert-base-uncased) and encoder-only BertModel checkpoints, which load with the pooler
+and heads initialised randomly, as transformers does."""
 import logging
 
 import ml_collections
@@ -54,7 +55,7 @@ def hf_config(cfg) -> dict:
     raise ValueError(f"HF BERT needs num_heads * head_dim == d_model, got {cfg.num_heads} * "
                      f"{layers.head_dim(cfg)} != {cfg.d_model}")
   return {
-      "architectures": ["BertForPreTraining"], "model_type": "bert",
+      "architectures": ["BertForMaskedLM", "BertForPreTraining"], "model_type": "bert",   # fill-mask first
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "intermediate_size": cfg.d_ff,
       "hidden_act": _ACT_TO_HF[cfg.activation], "hidden_dropout_prob": cfg.dropout_rate,

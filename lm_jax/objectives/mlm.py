@@ -96,4 +96,5 @@ def loss(config, params, batch, den, *, rng=None, train=False):
 
 
 OBJECTIVE = Objective(name="mlm", families=("bert",), check=check, lengths=lengths, rows=row_layout,
-                      transform=transform, features=features, denominators=denominators, loss=loss)
+                      transform=transform, features=features, denominators=denominators, loss=loss,
+                      metric_denominators={"nsp_loss": "nsp", "nsp_accuracy": "nsp"})

@@ -26,10 +26,15 @@ class Objective:
   features: Callable      # config -> {name: (per-example shape, numpy dtype)}
   denominators: Callable  # batch -> {name: scalar} of the FULL batch, each >= 1
   loss: Callable          # (config, params, batch, den, *, rng, train) -> (loss, metrics); sums / den
+  metric_denominators: dict = dataclasses.field(default_factory=dict)  # metric -> den key; default: the first
 
   def tokens_per_example(self, config) -> int:
     lengths = self.lengths(config)
     return lengths.inputs + lengths.targets
+
+  def denominator_of(self, metric: str, den: dict) -> str:
+    """The denominator key `metric` is divided by (for exact corpus-level eval sums)."""
+    return self.metric_denominators.get(metric, next(iter(den)))
 
   def flops_per_example(self, config) -> float:
     """Training matmul FLOPs of one example (lm_jax.flops), the numerator of MFU."""
