@@ -4,14 +4,26 @@ Orbax writes each step to a temporary folder and renames it when complete, so a 
 resumes from the previous complete step. Restoring takes an abstract target carrying the CURRENT
 mesh's shardings, so a checkpoint written on one mesh loads onto another
 (docs/toolchain.md#restoring-onto-another-mesh).
+
+What real runs hit, each reported in one line: a complete step that cannot be read back (a file truncated
+or emptied by a full disk or an interrupted copy) is skipped for the newest readable one (restore_latest);
+a save that fails in the background (a full disk) stops the run at the next step (check_save), with the
+failed step's temporary folder removed and the previous steps untouched.
 """
+import contextlib
 import json
 import os
+import re
+import signal
+import time
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from lm_jax import metrics_log
 
 # Model fields that change how the model runs, not which parameters it has: free to differ on resume.
 RUNTIME_MODEL_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "remat_policy")
@@ -21,8 +33,10 @@ EVAL_DATA_FIELDS = ("eval_split", "eval_batches", "tfds_data_dir")
 
 def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   root = workdir if "://" in workdir else os.path.abspath(workdir)  # gs://... stays as it is
+  handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+              "config": ocp.JsonCheckpointHandler()}  # registered so item_metadata() can read the state's tree
   return ocp.CheckpointManager(
-      epath.Path(root) / "checkpoints", item_names=("state", "data", "config"),
+      epath.Path(root) / "checkpoints", item_handlers=handlers,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True))
 
 
@@ -50,12 +64,165 @@ def data_state(iterator) -> dict:
 
 
 def save(mngr, step: int, state, iterator_state: dict, config):
-  mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(iterator_state),
-                                          config=ocp.args.JsonSave(_plain(config))))
+  """Starts writing `step` in the background (orbax waits for the previous save first). A step already on disk
+  is one restore_latest found unreadable and fell back from: this run has just computed it again."""
+  with _save_errors(mngr):
+    if step in mngr.all_steps():
+      mngr.delete(step)
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            data=ocp.args.JsonSave(iterator_state),
+                                            config=ocp.args.JsonSave(_plain(config))))
 
 
-def saved_config(mngr, step: int) -> dict:
-  return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+def check_save(mngr):
+  """Raises a failed background save as soon as it has failed (call it every step): left alone, a full disk
+  surfaces only at the next save, a whole interval of training later. Reads a flag while a save runs."""
+  if not mngr.is_saving_in_progress():
+    finish(mngr)
+
+
+def finish(mngr):
+  """Waits for the background save; its failure raises one line (see _save_errors)."""
+  with _save_errors(mngr):
+    mngr.wait_until_finished()
+
+
+@contextlib.contextmanager
+def _save_errors(mngr):
+  """A failed save -> OSError naming the directory and the cause; the failed step's temporary folder is
+  removed. Earlier steps are intact: orbax deletes old steps only after a save has succeeded."""
+  try:
+    yield
+  except Exception as e:  # orbax and TensorStore raise ValueError, OSError or plain Exception
+    if jax.process_index() == 0:
+      _remove_temporary(mngr.directory)
+    mngr.reload()  # the steps on disk: orbax has already forgotten the ones it would delete after this save
+    last = mngr.latest_step()
+    kept = f"the last complete checkpoint is step {last}" if last is not None else "no checkpoint was completed"
+    raise OSError(f"saving a checkpoint in {mngr.directory} failed: {_os_cause(e)}; {kept}") from e
+
+
+def _remove_temporary(directory, quiet_s: float = 1.0, limit_s: float = 10.0):
+  """Removes unfinished step folders until none reappears for quiet_s: after the first failed write surfaces,
+  TensorStore's writes already in flight go on and recreate the folder for a moment."""
+  start = quiet_since = time.monotonic()
+  while time.monotonic() - quiet_since < quiet_s and time.monotonic() - start < limit_s:
+    for path in directory.iterdir():
+      if ocp.step.is_path_temporary(path):
+        quiet_since = time.monotonic()
+        with contextlib.suppress(OSError):  # the error to report is the one that failed the save
+          path.rmtree()
+    time.sleep(0.05)
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+  """e and the exceptions it was raised from, outermost first."""
+  out = []
+  while e is not None and e not in out:
+    out.append(e)
+    e = e.__cause__ if e.__cause__ is not None or e.__suppress_context__ else e.__context__
+  return out
+
+
+def _first_line(e: BaseException) -> str:
+  """'ErrorClass: first line' of the innermost exception (TensorStore wraps its one-line reason in a
+  60-line spec dump), at most 300 characters."""
+  inner = _chain(e)[-1]
+  text = str(inner).strip().splitlines()
+  line = f"{type(inner).__name__}: {text[0] if text else ''}"
+  return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _os_cause(e: BaseException) -> str:
+  """The operating system's reason ('No space left on device') when one is known, else _first_line."""
+  for x in _chain(e):
+    if isinstance(x, OSError) and x.strerror:
+      return x.strerror
+    code = re.search(r"os_error_code='(\d+)'", str(x))  # TensorStore: "... [os_error_code='28']"
+    if code:
+      return os.strerror(int(code.group(1)))
+  return _first_line(e)
+
+
+class Restored(NamedTuple):
+  step: int
+  state: Any
+  data_state: dict | None  # None without with_data, or when data_changes is not empty
+  data_changes: list[str]  # see data_changes()
+
+
+class _Unreadable(Exception):
+  """A checkpoint step whose files cannot be read back."""
+
+
+def restore_latest(mngr, abstract_state, shardings, config, *, with_data: bool) -> Restored | None:
+  """The newest readable checkpoint placed with `shardings`, or None when there is none; with_data: also the
+  data-iterator state, unless data_changes() makes it meaningless.
+
+  A step that cannot be read (a file truncated or emptied) is skipped with one warning line naming the file
+  and the error, and left on disk until save() replaces it (a read can fail for a moment on a remote file
+  system); none readable -> a one-line FileNotFoundError naming the directory. A checkpoint of another model
+  or optimizer is a one-line ValueError (check_model, check_state), not a reason to fall back."""
+  unreadable = []
+  for step in sorted(mngr.all_steps(), reverse=True):
+    try:
+      restored = _restore_step(mngr, step, abstract_state, shardings, config, with_data)
+    except _Unreadable as e:
+      unreadable.append((step, str(e).replace(f"{mngr.directory}/", "")))  # the directory is named once
+      continue
+    if unreadable:
+      steps = ", ".join(str(s) for s, _ in unreadable)
+      causes = "; ".join(cause for _, cause in unreadable)
+      metrics_log.warn(f"checkpoint step{'s' * (len(unreadable) > 1)} {steps} in {mngr.directory} unreadable "
+                       f"({causes}); falling back to step {step}")
+    return restored
+  if unreadable:
+    raise FileNotFoundError(f"no readable checkpoint in {mngr.directory} ({unreadable[0][1]}); move the directory "
+                            "away or use a new --workdir")
+  return None
+
+
+def _restore_step(mngr, step, abstract_state, shardings, config, with_data) -> Restored:
+  saved = _read(mngr, step, "config", ocp.args.JsonRestore())
+  check_model(saved, config, mngr.directory)
+  try:
+    tree = mngr.item_metadata(step)["state"]
+  except Exception as e:
+    raise _Unreadable(f"{step}/state: {_first_line(e)}") from e
+  if tree is None:
+    raise _Unreadable(f"{step}/state: no tree metadata")
+  check_state(tree, abstract_state, saved, config, f"checkpoint step {step} in {mngr.directory}")
+  changes = data_changes(saved, config) if with_data else []
+  data = _read(mngr, step, "data", ocp.args.JsonRestore()) if with_data and not changes else None
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+  state = _read(mngr, step, "state", ocp.args.StandardRestore(target))
+  return Restored(step, state, data, changes)
+
+
+def _read(mngr, step: int, item: str, args):
+  try:
+    return mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+  except Exception as e:  # JSONDecodeError, FileNotFoundError, TensorStore's ValueError or plain Exception
+    raise _Unreadable(f"{step}/{item}: {_first_line(e)}") from e
+
+
+def check_state(saved_tree, abstract_state, saved_config: dict, config, what: str):
+  """One-line error when the saved train state's arrays (names, shapes) are not the ones this config builds:
+  with the model checked first, a different optimizer (Adam's two moments vs Adafactor's factored ones)."""
+  saved = {leaf.name: tuple(leaf.shape) for leaf in jax.tree.leaves(saved_tree)}
+  now = {jax.tree_util.keystr(path, simple=True, separator="."): tuple(x.shape)
+         for path, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+  if saved == now:
+    return
+  old, new = saved_config.get("optimizer", {}), _plain(config.optimizer)
+  fields = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+  if fields:
+    show = lambda opt: ", ".join(f"optimizer.{k}={opt.get(k)!r}" for k in fields)
+    raise ValueError(f"{what} was saved with {show(old)} but the config has {show(new)}: its optimizer state "
+                     f"does not fit; resume with the checkpoint's optimizer settings or use a new --workdir")
+  name = min(set(saved) ^ set(now) or {k for k in saved if saved[k] != now[k]})
+  raise ValueError(f"{what} does not fit this config: {name} is {saved.get(name)} in the checkpoint and "
+                   f"{now.get(name)} here; use a new --workdir")
 
 
 def check_model(saved: dict, config, directory: str):
@@ -80,11 +247,30 @@ def data_changes(saved: dict, config) -> list[str]:
   return changes
 
 
-def restore(mngr, step: int, abstract_state, shardings, with_data: bool = True):
-  """(state placed with `shardings`, data-iterator state or None) of checkpoint `step`."""
-  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
-  items = {"state": ocp.args.StandardRestore(target)}
-  if with_data:
-    items["data"] = ocp.args.JsonRestore()
-  restored = mngr.restore(step, args=ocp.args.Composite(**items))
-  return restored.state, restored.data if with_data else None
+class Preemption:
+  """SIGTERM (a preemption notice) sets a flag; the trainer saves after the current step and exits 0."""
+
+  def __init__(self):
+    self.requested, self._previous = False, None
+
+  def __enter__(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread: leave signals alone
+      pass
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+  def any_process(self) -> bool:
+    """Whether any host received SIGTERM (all hosts must stop at the same step)."""
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))

@@ -22,6 +22,7 @@ import string
 import jax
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 
 from lm_jax import checkpoint, models, sharding
 from lm_jax.models import layers
@@ -43,7 +44,7 @@ def _saved_run(path: str) -> tuple[dict, int]:
   if latest is None:
     raise FileNotFoundError(f"config.init_from={path!r}: neither a Hugging Face directory (config.json) nor a "
                             "workdir with a checkpoint")
-  saved = checkpoint.saved_config(mngr, latest)
+  saved = mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
   mngr.close()
   return saved, latest
 
@@ -100,13 +101,13 @@ def pretrained_params(config, mesh, rules) -> dict:
     _, params = export.load_hf(path, **{k: m[k] for k in RUN_FIELDS if k in m and k != "num_labels"})
     return params
   from lm_jax import step
-  saved, latest = _saved_run(path)
+  saved, _ = _saved_run(path)
   source = ml_collections.ConfigDict(saved)
   _, _, abstract, shardings = step.state_layout(source, mesh, rules)
   mngr = checkpoint.manager(path, 1)
-  state, _ = checkpoint.restore(mngr, latest, abstract, shardings, with_data=False)
+  restored = checkpoint.restore_latest(mngr, abstract, shardings, source, with_data=False)
   mngr.close()
-  params = state["params"]
+  params = restored.state["params"]
   return _relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
 
 

@@ -15,9 +15,11 @@ from lm_jax import config_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "predict", "summary"],
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary", "fill_mask", "predict"],
                           "what to do (predict: task.test_split predictions of a fine-tuned model as a TSV)")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "--mode=fill_mask: a text with [MASK]s (repeatable)")
+_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "prompts, one per line (with or instead of --prompt)")
 _INIT_FROM = flags.DEFINE_string("init_from", None, "a Hugging Face directory or run workdir to evaluate / start "
                                  "from (sets config.init_from)")
 
@@ -44,6 +46,8 @@ def _run(config, mode):
     train.train(config, _WORKDIR.value)
   elif mode == "eval":
     train.evaluate_checkpoint(config, _WORKDIR.value)
+  elif mode == "fill_mask":
+    _print_fills(config)
   elif mode == "predict":
     from lm_jax import finetune
     path, metrics = finetune.predict(config, _WORKDIR.value)
@@ -52,6 +56,15 @@ def _run(config, mode):
     if not _EXPORT_DIR.value:
       raise app.UsageError("--export_dir is required for --mode=export")
     train.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value)
+
+
+def _print_fills(config):
+  from lm_jax import inference
+  texts = inference.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
+  for text, masks in zip(texts, inference.fill_mask(config, _WORKDIR.value, texts)):
+    print(text)
+    for k, best in enumerate(masks):
+      print(f"  [MASK] {k + 1}: " + "  ".join(f"{token!r} {p:.3f}" for token, p in best))
 
 
 if __name__ == "__main__":

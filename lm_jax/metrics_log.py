@@ -4,12 +4,16 @@ console line. Only process 0 writes.
 On resume the file is cut back to the restored step, so an interrupted-and-resumed run leaves exactly the
 records of an uninterrupted one (wall-clock fields such as tokens_per_sec aside). Workdirs may be remote
 (gs://...; etils.epath, TensorBoard there needs google-cloud-storage): remote files cannot be appended to,
-so they are rewritten whole.
+so they are rewritten whole. A workdir that cannot be written (read-only, full) costs the file, with one
+warning, never the run's results: the console line is printed either way.
 """
+import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
+import sys
 
 import jax
 from absl import logging as absl_logging
@@ -18,18 +22,38 @@ from etils import epath
 WALL_CLOCK = ("tokens_per_sec", "mfu")  # fields that depend on timing, not on the computation
 
 
+def warn(message: str):
+  """'warning: ...' on stderr, from process 0 only."""
+  if jax.process_index() == 0:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 class _QuietLibraries(logging.Filter):
-  """Drops orbax's and jax's INFO lines (dozens per checkpoint) so the console shows the training log;
-  their warnings and errors still print."""
+  """Drops orbax's and jax's INFO lines (dozens per checkpoint) so the console shows the training log, and
+  orbax's errors: each comes with an exception that lm_jax.checkpoint reports in one line (a failed save
+  otherwise prints its traceback three times). Warnings still print."""
 
   def filter(self, record):
-    return record.levelno >= logging.WARNING or not any(f"/{lib}/" in record.pathname for lib in ("orbax", "jax"))
+    if "/orbax/" in record.pathname:
+      return record.levelno == logging.WARNING
+    return record.levelno >= logging.WARNING or "/jax/" not in record.pathname
+
+
+def _drop_closed_loop_errors(previous, unraisable):
+  """orbax's read of a damaged checkpoint leaves TensorStore callbacks aimed at its closed asyncio loop: dozens
+  of 'Event loop is closed' tracebacks after the failed read has been reported."""
+  error = unraisable.exc_value
+  if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+    previous(unraisable)
 
 
 def quiet_libraries():
-  handler = absl_logging.get_absl_handler()
-  if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
-    handler.addFilter(_QuietLibraries())
+  quiet = _QuietLibraries()
+  for target in (absl_logging.get_absl_handler(), logging.getLogger("absl")):  # the logger: also without app.run
+    if not any(isinstance(f, _QuietLibraries) for f in target.filters):
+      target.addFilter(quiet)
+  if getattr(sys.unraisablehook, "func", None) is not _drop_closed_loop_errors:
+    sys.unraisablehook = functools.partial(_drop_closed_loop_errors, sys.unraisablehook)
 
 
 def read(path) -> list[dict]:
@@ -50,11 +74,14 @@ class MetricsLog:
     self.path = epath.Path(workdir) / "metrics.jsonl"
     self.remote = "://" in str(workdir)
     self.active = jax.process_index() == 0
+    self.writable = self.active
     self.tb = None
+    self.records = []
     if not self.active:
       return
-    self.records = [r for r in read(self.path) if r.get("step", 0) <= resume_step]
-    self._rewrite()
+    with self._unless_unwritable():
+      self.records = [r for r in read(self.path) if r.get("step", 0) <= resume_step]
+      self._rewrite()
     if tensorboard:
       from tensorboardX import SummaryWriter
       self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
@@ -69,16 +96,27 @@ class MetricsLog:
         f.write(text)
       os.replace(tmp, self.path)
 
+  @contextlib.contextmanager
+  def _unless_unwritable(self):
+    """An OSError on metrics.jsonl (read-only or full workdir) -> one warning, and the file is left alone."""
+    try:
+      yield
+    except OSError as e:
+      warn(f"cannot write {self.path} ({e.strerror or e}); this run's metrics are not recorded there")
+      self.writable = False
+
   def write(self, record: dict):
     """Appends one record (must have 'step') to metrics.jsonl and TensorBoard."""
     if not self.active:
       return
     self.records.append(record)
-    if self.remote:
-      self._rewrite()
-    else:
-      with open(self.path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    if self.writable:
+      with self._unless_unwritable():
+        if self.remote:
+          self._rewrite()
+        else:
+          with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
     if self.tb:
       for k, v in record.items():
         if k != "step":

@@ -146,38 +146,41 @@ def run(init_from: str, *, files: str = "", tfds_name: str = "", text_fields=("0
           "seconds": round(time.perf_counter() - start, 1)}
 
 
-_INIT_FROM = flags.DEFINE_string("init_from", None, "a Hugging Face BERT directory or an lm_jax workdir")
-_FILES = flags.DEFINE_string("files", "", "task files with {split}, e.g. /data/sst2/{split}.tsv (or --tfds_name)")
-_TFDS = flags.DEFINE_string("tfds_name", "", "a TFDS task, e.g. glue/sst2 (splits train,validation,test)")
-_TEXT = flags.DEFINE_list("text_fields", ["0"], "one or two text fields (column numbers in a headerless .tsv)")
-_LABEL = flags.DEFINE_string("label_field", "1", "the label field")
-_LABEL_NAMES = flags.DEFINE_list("label_names", [], "labels as written in the data, in class order")
-_NUM_LABELS = flags.DEFINE_integer("num_labels", 2, "classes (labels are 0..num_labels-1 without --label_names)")
-_POOLING = flags.DEFINE_enum("pooling", "mean", ["cls", "mean"], "[CLS] state or the mean over the tokens")
-_LAYER = flags.DEFINE_integer("layer", 0, "the layer whose output is the feature (1..num_layers; 0 = the last)")
-_LAST4 = flags.DEFINE_bool("last4", False, "concatenate the outputs of the last four layers")
-_SPLITS = flags.DEFINE_list("splits", ["train", "dev", "test"], "train, dev (chooses C) and test splits")
-_MAX_TRAIN = flags.DEFINE_integer("max_train", 0, "a random subset of this many training examples (0 = all)")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "longer examples are truncated")
-_BATCH = flags.DEFINE_integer("batch_size", 64, "examples per forward pass")
+def _define_flags() -> dict:
+  """The command line's flags (defined only when run as a program: lm_jax.main has an --init_from too)."""
+  return dict(
+      init_from=flags.DEFINE_string("init_from", None, "a Hugging Face BERT directory or an lm_jax workdir"),
+      files=flags.DEFINE_string("files", "", "task files with {split}, e.g. /data/sst2/{split}.tsv (or --tfds_name)"),
+      tfds_name=flags.DEFINE_string("tfds_name", "", "a TFDS task, e.g. glue/sst2 (splits train,validation,test)"),
+      text_fields=flags.DEFINE_list("text_fields", ["0"], "one or two text fields (column numbers in a headerless "
+                                    ".tsv)"),
+      label_field=flags.DEFINE_string("label_field", "1", "the label field"),
+      label_names=flags.DEFINE_list("label_names", [], "labels as written in the data, in class order"),
+      num_labels=flags.DEFINE_integer("num_labels", 2, "classes (labels are 0..num_labels-1 without --label_names)"),
+      pooling=flags.DEFINE_enum("pooling", "mean", ["cls", "mean"], "[CLS] state or the mean over the tokens"),
+      layer=flags.DEFINE_integer("layer", 0, "the layer whose output is the feature (1..num_layers; 0 = the last)"),
+      last4=flags.DEFINE_bool("last4", False, "concatenate the outputs of the last four layers"),
+      splits=flags.DEFINE_list("splits", ["train", "dev", "test"], "train, dev (chooses C) and test splits"),
+      max_train=flags.DEFINE_integer("max_train", 0, "a random subset of this many training examples (0 = all)"),
+      seq_len=flags.DEFINE_integer("seq_len", 128, "longer examples are truncated"),
+      batch_size=flags.DEFINE_integer("batch_size", 64, "examples per forward pass"))
 
 
-def main(argv):
+def main(argv, defined: dict):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if _LAYER.value and _LAST4.value:
+  f = {k: v.value for k, v in defined.items()}
+  if f["layer"] and f["last4"]:
     raise app.UsageError("--layer and --last4 exclude each other")
-  if len(_SPLITS.value) != 3:
-    raise app.UsageError(f"--splits needs three splits (train, dev, test), got {_SPLITS.value}")
+  if len(f["splits"]) != 3:
+    raise app.UsageError(f"--splits needs three splits (train, dev, test), got {f['splits']}")
   with config_lib.user_errors():
-    result = run(_INIT_FROM.value, files=_FILES.value, tfds_name=_TFDS.value, text_fields=_TEXT.value,
-                 label_field=_LABEL.value, label_names=_LABEL_NAMES.value, num_labels=_NUM_LABELS.value,
-                 pooling=_POOLING.value, layer=_LAYER.value, last4=_LAST4.value, splits=tuple(_SPLITS.value),
-                 max_train=_MAX_TRAIN.value, seq_len=_SEQ_LEN.value, batch_size=_BATCH.value,
+    result = run(f.pop("init_from"), **{**f, "splits": tuple(f["splits"])},
                  log=lambda line: print(line, file=sys.stderr, flush=True))
   print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
+  _defined = _define_flags()
   flags.mark_flags_as_required(["init_from"])
-  app.run(main)
+  app.run(lambda argv: main(argv, _defined))

@@ -6,12 +6,10 @@ The hot loop never waits for the device: metrics stay on device and are fetched 
 """
 import dataclasses
 import math
-import signal
 import time
 from typing import Callable
 
 import jax
-import numpy as np
 from etils import epath
 from flax import linen as nn
 from jax.sharding import Mesh
@@ -85,8 +83,8 @@ def predictions(eval_outputs: list) -> dict:
 
 def _init_or_restore(s: Setup, mngr, train_it):
   """(state, start step): the latest checkpoint with its data position, or a fresh state at step 0."""
-  latest = mngr.latest_step()
-  if latest is None:
+  restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=True)
+  if restored is None:
     state = step.fresh_state(s.config, s.tx, s.state_sharding)
     if s.config.init_from:   # pre-trained params; new heads keep the seeded init (optimizer states are zeros)
       pretrained = finetune.pretrained_params(s.config, s.mesh, s.rules)
@@ -94,50 +92,18 @@ def _init_or_restore(s: Setup, mngr, train_it):
       state = dict(state, params=jax.device_put(params, s.state_sharding["params"]))
       _print(report)
     return state, 0
-  saved = checkpoint.saved_config(mngr, latest)
-  checkpoint.check_model(saved, s.config, mngr.directory)
-  changes = checkpoint.data_changes(saved, s.config)
-  state, data_state = checkpoint.restore(mngr, latest, s.abstract_state, s.state_sharding, with_data=not changes)
-  if data_state is not None and "shards" not in data_state:
+  changes = restored.data_changes
+  if restored.data_state is not None and "shards" not in restored.data_state:
     changes = ["data-iterator state of an older lm_jax"]
   if changes:
-    _print(f"resumed step {latest}; data config changed ({'; '.join(changes)}): fresh data iterator")
+    _print(f"resumed step {restored.step}; data config changed ({'; '.join(changes)}): fresh data iterator")
   else:
-    train_it.set_state(data_state)
-    _print(f"resumed step {latest} from {mngr.directory}")
-  return state, latest
+    train_it.set_state(restored.data_state)
+    _print(f"resumed step {restored.step} from {mngr.directory}")
+  return restored.state, restored.step
 
 
 # ------------------------------------------------------------------------------------- the loop's schedules
-class _Preemption:
-  """SIGTERM sets a flag; the loop saves after the current step and exits 0."""
-
-  def __init__(self):
-    self.requested, self._previous = False, None
-
-  def __enter__(self):
-    try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread: leave signals alone
-      pass
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-  def any_process(self) -> bool:
-    """Whether any host received SIGTERM (all hosts must stop at the same step)."""
-    if jax.process_count() == 1:
-      return self.requested
-    from jax.experimental import multihost_utils
-    return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
-
-
 class _Meter:
   """Metrics of the steps since the last log (kept on device) and their wall time, evals and saves excluded."""
 
@@ -151,7 +117,7 @@ class _Meter:
     """Raises before anything non-finite can be logged as fine or saved."""
     for i, m in enumerate(self.host_metrics() if host is None else host):
       if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-        mngr.wait_until_finished()
+        checkpoint.finish(mngr)
         raise FloatingPointError(f"non-finite loss ({m['loss']}) or grad norm ({m['grad_norm']}) at step "
                                  f"{self.first_step + i + 1}; not saved. Last good checkpoint: step {mngr.latest_step()}")
 
@@ -187,9 +153,10 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
   result, meter = {"step": start, "train": None, "eval": None}, _Meter(start)
   if start >= end:
     _print(f"nothing to do: checkpoint step {start} >= end step {end}")
-  with _Preemption() as preemption:
+  with checkpoint.Preemption() as preemption:
     for i in range(start + 1, end + 1):
       state, metrics = train_step(state, sharding.global_batch(next(train_it), batch_sh))
+      checkpoint.check_save(mngr)   # a background save that failed stops the run now, in one line
       meter.pending.append(metrics)
       last, log_now = i == end, i % c.log_every == 0 or i == end or i == 1  # step 1: loss right after compiling
       stop = preemption.any_process() if (log_now or jax.process_count() == 1) else False
@@ -222,7 +189,7 @@ def train(config, workdir: str, *, devices=None) -> dict:
     state, start = _init_or_restore(s, mngr, train_it)
     log = metrics_log.MetricsLog(workdir, start)
     state, result = _loop(s, state, start, mngr, train_it, log)
-    mngr.wait_until_finished()
+    checkpoint.finish(mngr)
     mngr.close()
     log.close()
     train_it.close()
@@ -260,14 +227,12 @@ def restore_params(config, workdir: str):
   source = workdir if own else config.init_from or workdir
   s = setup(config, source)
   mngr = checkpoint.manager(source, config.keep_checkpoints)
-  latest = mngr.latest_step()
-  if latest is None:
-    raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
-  checkpoint.check_model(checkpoint.saved_config(mngr, latest), s.config, mngr.directory)
   with jax.set_mesh(s.mesh):
-    state, _ = checkpoint.restore(mngr, latest, s.abstract_state, s.state_sharding, with_data=False)
+    restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=False)
   mngr.close()
-  return s, state["params"], latest
+  if restored is None:
+    raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
+  return s, restored.state["params"], restored.step
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
@@ -282,13 +247,13 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
 
 
 def export_checkpoint(config, workdir: str, export_dir: str):
-  """The latest checkpoint's params as a Hugging Face directory (lm_jax.hf.export.save_hf)."""
+  """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf)."""
   from lm_jax.hf import export
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
-    export.save_hf(s.config.model, jax.device_get(params), export_dir)
+    export.save_hf(s.config.model, jax.device_get(params), export_dir, tokenizer=s.tokenizer)
   _print(f"exported step {latest} to {export_dir}")
   return export_dir

@@ -1,8 +1,13 @@
-"""Shared test fixtures: where the offline data lives."""
+"""Shared test fixtures and helpers: where the offline data lives, and the tiny setup every training test uses
+(config values / CLI flags / in-process config, running the CLI, reading metrics.jsonl)."""
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
+
+from lm_jax import config_lib, metrics_log
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -19,3 +24,44 @@ def shared_data() -> pathlib.Path:
 # Tests never reach a hub: everything is local.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+# --------------------------------------------------------------------------------------- the tiny setup
+CONFIG = {"clm": "gpt1.py:tiny", "mlm": "bert.py:tiny", "span_corruption": "t5.py:tiny"}
+# Tiny enough for seconds per run on a CPU; d_ff = 4 d_model so GPT exports to HF OpenAIGPT.
+TINY = dict(model=dict(d_model=32, num_heads=2, d_ff=128, num_layers=1),
+            data=dict(seq_len=32, max_predictions_per_seq=5, eval_batches=2), batch_size=8, phase_end_step=0)
+VOCAB = {"clm": 256, "mlm": 256, "span_corruption": 384}  # T5: 284 SentencePiece pieces + 100 sentinels
+
+
+def values(objective, data_dir, /, **overrides) -> dict:
+  """Dotted config field -> value of the tiny test setup."""
+  out = {"data.files": str(data_dir / "tiny_shakespeare" / "input.txt"), "model.vocab_size": VOCAB[objective]}
+  for group, fields in TINY.items():
+    if isinstance(fields, dict):
+      out.update({f"{group}.{k}": v for k, v in fields.items()})
+    else:
+      out[group] = fields
+  out.update(overrides)
+  return out
+
+
+def flags(objective, data_dir, /, **overrides) -> list[str]:
+  """The tiny test setup as CLI flags."""
+  return [f"--config=configs/{CONFIG[objective]}"] + [
+      f"--config.{k}={v}" for k, v in values(objective, data_dir, **overrides).items()]
+
+
+def load_config(objective, data_dir, /, **overrides):
+  """The same config as flags(), built in-process."""
+  return config_lib.load(f"configs/{CONFIG[objective]}", values(objective, data_dir, **overrides))
+
+
+def cli(*args, env=None, timeout=900):
+  return subprocess.run([sys.executable, "-m", "lm_jax.main", *args], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def records(workdir, kind="train"):
+  recs = metrics_log.read(os.path.join(workdir, "metrics.jsonl"))
+  return [r for r in recs if ("loss" in r) == (kind == "train")]

@@ -1,7 +1,11 @@
 """Checkpoints: kill -9 and SIGTERM resume to exactly the uninterrupted run; a non-finite loss is never
-saved; BERT phase 2 resumes phase 1 with a fresh data iterator; what invalidates an iterator position."""
+saved; BERT phase 2 resumes phase 1 with a fresh data iterator; what invalidates an iterator position.
+What real runs hit: a damaged newest step falls back to the previous one, a full disk stops the run at once,
+a changed optimizer is one line, and --mode=eval prints its result on a workdir it cannot write."""
+import errno
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,12 +13,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from lm_jax import checkpoint, metrics_log, train
-from test_train import REPO, flags, load_config
+from lm_jax import checkpoint, metrics_log, optim, train
+from conftest import REPO, cli, flags, load_config, records
 
 STEPS = 150
 
@@ -121,7 +126,7 @@ def test_bert_phase_two_resumes_phase_one(shared_data, tmp_path, capsys):
   assert second["step"] == 8
   recs = metrics_log.read(str(tmp_path / "metrics.jsonl"))
   assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6, 7, 8]
-  lr = train.optim.schedule(phase2.optimizer, 8)  # one schedule over both phases
+  lr = optim.schedule(phase2.optimizer, 8)  # one schedule over both phases
   assert [r["lr"] for r in recs] == pytest.approx([float(lr(s - 1)) for s in range(1, 9)], rel=1e-6)
 
 
@@ -132,3 +137,168 @@ def test_data_changes(shared_data):
   other = load_config("clm", shared_data, **{"data.eval_batches": 5, "total_steps": 9, "data.seq_len": 64,
                                               "batch_size": 16})
   assert checkpoint.data_changes(saved, other) == ["data.seq_len: 32 -> 64", "batch_size: 8 -> 16"]
+
+
+# ------------------------------------------------------------------------------------ what real runs hit
+SMALL = dict(total_steps=6, log_every=1, eval_every=0, checkpoint_every=3, peak_tflops=1.0)
+
+
+@pytest.fixture(scope="module")
+def small_run(shared_data, tmp_path_factory):
+  """A tiny GPT-1 workdir with checkpoints at steps 3 and 6; tests damage copies of it."""
+  workdir = tmp_path_factory.mktemp("small")
+  train.train(load_config("clm", shared_data, **SMALL), str(workdir))
+  return workdir
+
+
+def _copy(small_run, tmp_path):
+  shutil.copytree(small_run, tmp_path / "w")
+  return tmp_path / "w"
+
+
+def _truncate_largest_state_file(step_dir):
+  path = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  os.truncate(path, path.stat().st_size // 2)
+
+
+def _empty_data_state(step_dir):
+  (step_dir / "data" / "metadata").write_text("")
+
+
+@pytest.mark.parametrize("damage, cause", [(_truncate_largest_state_file, "6/state: ValueError: OUT_OF_RANGE"),
+                                           (_empty_data_state, "6/data: JSONDecodeError: Expecting value")])
+def test_damaged_newest_step_falls_back_to_the_previous_one(damage, cause, small_run, shared_data, tmp_path, capfd):
+  workdir = _copy(small_run, tmp_path)
+  damage(workdir / "checkpoints" / "6")
+  result = train.train(load_config("clm", shared_data, **SMALL), str(workdir))
+  out, err = capfd.readouterr()
+  warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+  assert len(warnings) == 1, err
+  assert warnings[0].startswith(f"warning: checkpoint step 6 in {workdir}/checkpoints unreadable ({cause}")
+  assert warnings[0].endswith("; falling back to step 3")
+  assert "Traceback" not in out + err and "Event loop is closed" not in out + err
+  assert "resumed step 3" in out and result["step"] == 6
+  assert _comparable(workdir) == _comparable(small_run)  # steps 4-6 trained again, exactly as the first time
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3", "6"]
+
+
+def test_no_readable_checkpoint_is_one_line_naming_the_directory(small_run, shared_data, tmp_path):
+  workdir = _copy(small_run, tmp_path)
+  _empty_data_state(workdir / "checkpoints" / "6")
+  _truncate_largest_state_file(workdir / "checkpoints" / "3")
+  with pytest.raises(FileNotFoundError) as error:
+    train.train(load_config("clm", shared_data, **SMALL), str(workdir))
+  message = str(error.value)
+  assert "\n" not in message and message.startswith(f"no readable checkpoint in {workdir}/checkpoints (6/data: ")
+
+
+def test_changed_optimizer_on_resume_is_one_line(small_run, shared_data, tmp_path):
+  workdir = _copy(small_run, tmp_path)
+  config = load_config("clm", shared_data, **SMALL, **{"optimizer.name": "adafactor"})
+  with pytest.raises(ValueError) as error:
+    train.train(config, str(workdir))
+  message = str(error.value)
+  assert "\n" not in message, message
+  assert message == (f"checkpoint step 6 in {workdir}/checkpoints was saved with optimizer.name='adam_l2' but the "
+                     "config has optimizer.name='adafactor': its optimizer state does not fit; resume with the "
+                     "checkpoint's optimizer settings or use a new --workdir")
+
+
+def _fail_json_writes_after(monkeypatch, ok_writes: int):
+  """Every JSON item (data state, config) written after the first `ok_writes` fails as on a full disk; the
+  write runs in orbax's background commit, where a real full disk also surfaces."""
+  real, calls = ocp.JsonCheckpointHandler._save_fn, []
+
+  async def save_fn(self, x, directory):
+    calls.append(directory)
+    if len(calls) > ok_writes:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    return await real(self, x, directory)
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", save_fn)
+
+
+def _check_failed_save(error, directory, kept: list[int]):
+  message = str(error.value)
+  assert "\n" not in message, message
+  assert message == (f"saving a checkpoint in {directory} failed: No space left on device; the last complete "
+                     f"checkpoint is step {kept[-1]}")
+  assert sorted(p.name for p in directory.iterdir()) == sorted(map(str, kept))  # intact, no temporary folder
+
+
+def test_full_disk_stops_the_run_at_once(shared_data, tmp_path, monkeypatch):
+  make = train.step.make_train_step
+
+  def slow(*args, **kwargs):  # steps slower than the failing background save: the run must stop at the next one
+    real = make(*args, **kwargs)
+    return lambda state, batch: (time.sleep(0.5), real(state, batch))[1]
+  monkeypatch.setattr(train.step, "make_train_step", slow)
+  _fail_json_writes_after(monkeypatch, 2)  # the save of step 3 succeeds, the one of step 6 fails
+  config = load_config("clm", shared_data, **dict(SMALL, total_steps=12, keep_checkpoints=1))
+  with pytest.raises(OSError) as error:
+    train.train(config, str(tmp_path))
+  _check_failed_save(error, tmp_path / "checkpoints", [3])
+  assert records(tmp_path)[-1]["step"] < 9  # stopped before the next save, where it used to surface
+  state = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "3" / "state")
+  assert int(state["step"]) == 3
+
+
+def _tiny_save(mngr, step, state):
+  checkpoint.save(mngr, step, state, {"processes": []}, ml_collections.ConfigDict({"step": step}))
+
+
+def test_failed_background_save_is_one_line(tmp_path, monkeypatch):
+  mngr = checkpoint.manager(str(tmp_path), keep=1)
+  state = {"w": jnp.arange(8.0)}
+  _tiny_save(mngr, 1, state)
+  checkpoint.finish(mngr)
+  _fail_json_writes_after(monkeypatch, 0)
+  _tiny_save(mngr, 2, state)  # returns at once; the write fails in the background
+  deadline = time.time() + 60
+  with pytest.raises(OSError) as error:
+    while time.time() < deadline:
+      checkpoint.check_save(mngr)
+      time.sleep(0.01)
+  _check_failed_save(error, tmp_path / "checkpoints", [1])
+
+
+def test_really_full_disk(tmp_path):
+  """A 1 MiB tmpfs (needs root and the right to mount): TensorStore's own ENOSPC, not an injected one."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+    pytest.skip("cannot mount a tmpfs here")
+  try:
+    mngr = checkpoint.manager(str(disk), keep=10)
+    state = {"w": jax.random.normal(jax.random.key(0), (60_000,))}  # 240 kB that do not compress
+    with pytest.raises(OSError) as error:
+      for step in range(1, 10):
+        _tiny_save(mngr, step, state)
+        checkpoint.finish(mngr)
+    _check_failed_save(error, disk / "checkpoints", list(range(1, step)))
+    restored = ocp.StandardCheckpointer().restore(disk / "checkpoints" / str(step - 1) / "state")
+    np.testing.assert_array_equal(restored["w"], state["w"])
+  finally:
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_eval_prints_its_result_on_a_workdir_it_cannot_write(small_run, shared_data, tmp_path):
+  """Read-only for a normal user; as root (who writes anyway) metrics.jsonl is a directory instead."""
+  workdir = _copy(small_run, tmp_path)
+  if os.geteuid():
+    for path in [workdir, *workdir.rglob("*")]:
+      path.chmod(path.stat().st_mode & ~0o222)
+    reason = "Permission denied"
+  else:
+    (workdir / "metrics.jsonl").unlink()
+    (workdir / "metrics.jsonl").mkdir()
+    reason = "Is a directory"
+  try:
+    run = cli(*flags("clm", shared_data, **SMALL), f"--workdir={workdir}", "--mode=eval")
+  finally:
+    for path in [workdir, *workdir.rglob("*")]:
+      path.chmod(path.stat().st_mode | 0o200)  # so pytest can clean up
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "step 6/6 | eval_accuracy" in run.stdout and "eval_loss" in run.stdout
+  warnings = [line for line in run.stderr.splitlines() if line.startswith("warning:")]
+  assert warnings == [f"warning: cannot write {workdir}/metrics.jsonl ({reason}); this run's metrics are not "
+                      "recorded there"]

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from lm_jax import flops, objectives
-from test_train import cli, flags, load_config, records
+from lm_jax.data import tokenizer
+from conftest import cli, flags, load_config, records
 
 PEAK_TFLOPS = 0.05   # fixed, so the logged MFU can be checked against the FLOP count exactly
 
@@ -104,6 +105,10 @@ def test_export_loads_in_transformers(trained, shared_data, tmp_path):
     theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
   np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-3)
   assert float(np.abs(ours).max()) > 0
+  text = "First Citizen: Before we proceed any further, hear me speak."   # the run's tokenizer came along
+  ids = tokenizer.load(str(next(workdir.glob("tokenizer_gpt_*.model"))), "gpt").encode(text)
+  assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ids
+  assert export.load_hf_tokenizer(str(out)).encode(text) == ids
 
 
 def test_usage_errors(shared_data, tmp_path):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lm_jax import config_lib, objectives
-from test_train import REPO, flags
+from conftest import REPO, flags
 
 VARIANTS = {"bert": ["base", "large", "base_512", "large_512", "tiny", "tiny_512"], "gpt1": ["gpt1", "tiny"],
             "t5": ["small", "base", "large", "v1_1_small", "v1_1_base", "v1_1_large", "v1_1_xl", "v1_1_xxl", "tiny"]}

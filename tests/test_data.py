@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from configs import bert, gpt1, t5
-from lm_jax import objectives
+from lm_jax import config_lib, objectives
 from lm_jax.data import nsp, packing, pipeline, sources, tokenizer
 
-MODULES = {"clm": gpt1, "mlm": bert, "span_corruption": t5}
+CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def files(text, tmp_path_factory):
 
 
 def _config(objective, path, *, nsp_=False, vocab=320, seq_len=64, batch=8, **data):
-  c = MODULES[objective].get_config("tiny")
+  c = config_lib.load(CONFIGS[objective])
   c.model.vocab_size = vocab + (100 if objective == "span_corruption" else 0)
   c.data.files = str(path)
   c.data.tokenizer_type = "bpe"
@@ -47,7 +46,7 @@ def _config(objective, path, *, nsp_=False, vocab=320, seq_len=64, batch=8, **da
 def toks(files, tmp_path_factory):
   """A BPE tokenizer per family, trained on the big corpus."""
   work = tmp_path_factory.mktemp("tok")
-  return {o: tokenizer.load_or_train(_config(o, files / "big.txt"), str(work)) for o in MODULES}
+  return {o: tokenizer.load_or_train(_config(o, files / "big.txt"), str(work)) for o in CONFIGS}
 
 
 def _train_it(c, tok, **kw):
@@ -119,7 +118,7 @@ def test_tfds_tiny_shakespeare_offline_through_the_trainer_path(shared_data, tmp
   """Build the catalog tiny_shakespeare (array_record, no TensorFlow) from the local input.txt, then read it
   with the same calls the trainer makes."""
   sources.prepare_tfds("tiny_shakespeare", str(tmp_path), manual_dir=str(shared_data / "tiny_shakespeare"))
-  c = gpt1.get_config("tiny")
+  c = config_lib.load("configs/gpt1.py:tiny")
   c.data.tfds_data_dir = str(tmp_path)
   c.data.seq_len, c.batch_size, c.model.vocab_size = 64, 8, 320
   splits = {s: sources.documents(c, s) for s in ("train", "validation", "test")}
@@ -130,7 +129,7 @@ def test_tfds_tiny_shakespeare_offline_through_the_trainer_path(shared_data, tmp
   batch = next(_train_it(c, toks["clm"], prefetch=0))
   assert batch["input_ids"].shape == (8, 64) and batch["weights"].sum() > 0
   evals = _eval_it(c, toks["clm"])
-  assert len(evals) == c.data.eval_batches and 1.5 < evals.bytes_per_token < 4
+  assert len(evals) == c.data.eval_batches and 1.5 < evals.text_per_token["bytes"] < 4
 
 
 class ToyDocs(tfds.core.GeneratorBasedBuilder):
@@ -366,7 +365,7 @@ def test_eval_batches_are_finite_repeatable_and_split_across_hosts(files, toks):
   c = _config("clm", files / "big.txt", eval_batches=3)
   c.data.eval_split = "train[80%:]"
   one = _eval_it(c, toks["clm"])
-  assert len(list(one)) == 3 and 1.5 < one.bytes_per_token < 4
+  assert len(list(one)) == 3 and 1.5 < one.text_per_token["bytes"] < 4
   _same(list(one), list(one))
   hosts = [list(_eval_it(c, toks["clm"], process_index=h, process_count=2)) for h in (0, 1)]
   for b, (h0, h1) in enumerate(zip(*hosts)):

@@ -8,7 +8,7 @@ import pytest
 
 from lm_jax import evaluate, models, objectives, train
 from lm_jax.data import pipeline
-from test_train import load_config
+from conftest import load_config
 
 
 @pytest.fixture(scope="module")

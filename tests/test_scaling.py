@@ -147,12 +147,10 @@ def _matmul_flops(jaxpr):
 def test_train_flops_match_the_real_models(name, overrides, length, target_len, preds):
   """Our count = every matmul in the real forward pass (jaxpr), ~ XLA's cost analysis (which also counts
   elementwise ops), and the gradient adds exactly 2x (BERT: less the unused pooler/NSP backward)."""
-  import importlib
-
   import jax
   import jax.numpy as jnp
-  from lm_jax import models
-  m = importlib.import_module(f"configs.{name}").get_config("tiny").model
+  from lm_jax import config_lib, models
+  m = config_lib.load(f"configs/{name}.py:tiny").model
   m.update(overrides)
   ids = jax.ShapeDtypeStruct((2, length), jnp.int32)
   batch = dict(input_ids=ids, attention_mask=ids)

@@ -4,12 +4,12 @@ import logging
 
 import pytest
 
-from configs import gpt1
+from lm_jax import config_lib
 from lm_jax.data import sources, tokenizer
 
 
 def _config(path, vocab=320):
-  c = gpt1.get_config("tiny")
+  c = config_lib.load("configs/gpt1.py:tiny")
   c.data.files = str(path)
   c.data.tokenizer_type = "bpe"
   c.model.vocab_size = vocab

@@ -7,7 +7,6 @@ import pytest
 from flax import linen as nn
 
 from lm_jax import defaults, models, objectives, optim, sharding, step
-from lm_jax.train import _state_sharding
 
 FAMILY = {"clm": "gpt", "mlm": "bert", "span_corruption": "t5"}
 
@@ -44,10 +43,9 @@ def _batch(config, seed=0):
 
 def _run(config, steps=3):
   """Metrics of `steps` train steps from the same init on the same batch sequence, and the final state."""
-  objective = objectives.get(config.objective, config)
+  objective = objectives.get(config.objective)
   mesh = sharding.make_mesh(config)
-  tx, lr = optim.make(config, models.logical_axes(config.model))
-  _, state_sh = _state_sharding(config, tx, mesh, sharding.RULES)
+  tx, lr, _, state_sh = step.state_layout(config, mesh, sharding.RULES)
   with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
     state = jax.device_put(step.init_state(models.init(config.model, jax.random.key(0)), tx), state_sh)
     train_step = step.make_train_step(config, objective, tx, lr, state_sh, mesh)

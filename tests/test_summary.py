@@ -1,12 +1,11 @@
 """--mode=summary: exact parameter counts (docs/reference.md#parameter-counts) from shapes alone."""
 import pathlib
-import runpy
 import subprocess
 import sys
 
 import pytest
 
-from lm_jax import summary
+from lm_jax import config_lib, summary
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -23,6 +22,5 @@ def test_summary_main_bert_base():
                                           ("t5.py:small", 60506624), ("t5.py:base", 222903552),
                                           ("t5.py:large", 737668096)])
 def test_summary_counts(config, count, capsys):
-  path, variant = config.split(":")
-  summary.print_summary(runpy.run_path(str(REPO / "configs" / path))["get_config"](variant))
+  summary.print_summary(config_lib.load(f"configs/{config}"))
   assert f"params: {count}\n" in capsys.readouterr().out

@@ -4,7 +4,6 @@ Compiling a random init is the slow part on CPU (threefry), so each version is i
 and the looped layout is converted from it.
 """
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,14 +11,11 @@ import ml_collections
 import numpy as np
 import pytest
 
-from conftest import REPO
-from lm_jax import defaults, models
+from lm_jax import config_lib, defaults, models
 from lm_jax.hf import export
 from lm_jax.hf import t5 as hf_t5
 from lm_jax.models import t5
 
-sys.path.insert(0, str(REPO / "configs"))
-import t5 as t5_configs  # noqa: E402  (configs/t5.py)
 
 
 def tiny(v1_1: bool, scan: bool, **fields):
@@ -148,7 +144,7 @@ def test_one_relative_bias_table_per_stack_and_logical_axes():
     ("small", 60_506_624), ("base", 222_903_552), ("large", 737_668_096),
     ("v1_1_small", 76_961_152), ("v1_1_base", 247_577_856), ("v1_1_large", 783_150_080)])
 def test_param_counts(variant, count):
-  assert models.count(models.abstract_params(t5_configs.get_config(variant).model)) == count
+  assert models.count(models.abstract_params(config_lib.load(f"configs/t5.py:{variant}").model)) == count
 
 
 def test_dropout_only_in_training():

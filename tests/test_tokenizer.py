@@ -5,7 +5,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from configs import bert, gpt1, t5
+from lm_jax import config_lib
 from lm_jax.data import tokenizer
 
 HELLO_IDS = [7592, 2088, 1010, 14477, 20961, 3468, 999]   # bert-base-uncased: "Hello world, unaffable!"
@@ -19,8 +19,8 @@ def text_file(shared_data, tmp_path_factory):
   return path
 
 
-def _config(module, arg, text_file, vocab, kind="bpe"):
-  c = module.get_config(arg)
+def _config(name, arg, text_file, vocab, kind="bpe"):
+  c = config_lib.load(f"configs/{name}.py:{arg}")
   c.data.files = str(text_file)
   c.data.tokenizer_type = kind
   c.model.vocab_size = vocab
@@ -29,7 +29,7 @@ def _config(module, arg, text_file, vocab, kind="bpe"):
 
 @pytest.mark.parametrize("kind", ["unigram", "bpe"])
 def test_bert_specials(text_file, tmp_path, kind):
-  tok = tokenizer.load_or_train(_config(bert, "tiny", text_file, 400, kind), str(tmp_path))
+  tok = tokenizer.load_or_train(_config("bert", "tiny", text_file, 400, kind), str(tmp_path))
   assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
   assert tok.eos_id is None and tok.special_ids == [0, 1, 2, 3, 4]
   assert tok.vocab_size == 400
@@ -43,7 +43,7 @@ def test_bert_specials(text_file, tmp_path, kind):
 
 
 def test_t5_sentinels_at_the_top_and_vocab_checks(text_file, tmp_path):
-  c = _config(t5, "tiny", text_file, 500)
+  c = _config("t5", "tiny", text_file, 500)
   tok = tokenizer.load_or_train(c, str(tmp_path))
   assert (tok.pad_id, tok.eos_id, tok.unk_id) == (0, 1, 2)
   assert tok.vocab_size == 400                                # SentencePiece pieces, below the sentinels
@@ -63,7 +63,7 @@ def test_t5_sentinels_at_the_top_and_vocab_checks(text_file, tmp_path):
 
 
 def test_gpt_eos_and_deterministic_cached_training(text_file, tmp_path):
-  c = _config(gpt1, "tiny", text_file, 300)
+  c = _config("gpt1", "tiny", text_file, 300)
   a = tokenizer.load_or_train(c, str(tmp_path / "a"))
   b = tokenizer.load_or_train(c, str(tmp_path / "b"))
   (fa,), (fb,) = (tmp_path / "a").glob("*.model"), (tmp_path / "b").glob("*.model")

@@ -35,8 +35,9 @@ _NAMES = {  # special role -> piece names used by SentencePiece models and HF to
 class Tokenizer:
   """Text <-> ids plus the special ids a model family needs (None where the family has none)."""
 
-  def __init__(self, *, pieces, encode_batch, decode, specials, word_start, sentinels=None):
+  def __init__(self, *, pieces, encode_batch, decode, specials, word_start, sentinels=None, serialized=None):
     self._pieces = pieces
+    self.serialized = serialized              # the SentencePiece model proto (bytes) or tokenizer.json (str)
     self._encode_batch = encode_batch
     self._decode = decode
     self._sentinels = sentinels               # id of <extra_id_0>, counting down; None = no sentinels
@@ -106,7 +107,7 @@ def _sentencepiece(proto: bytes, family: str) -> Tokenizer:
   _check_family(specials, family, "SentencePiece model")
   return Tokenizer(pieces=pieces, encode_batch=lambda t: sp.encode(t, num_threads=min(len(t) // 16 + 1, os.cpu_count() or 1)),
                    decode=sp.decode, specials=specials, word_start=lambda p: p.startswith("▁"),
-                   sentinels=sentinels)
+                   sentinels=sentinels, serialized=proto)
 
 
 def _huggingface(path: pathlib.Path, family: str) -> Tokenizer:
@@ -145,7 +146,7 @@ def _huggingface(path: pathlib.Path, family: str) -> Tokenizer:
   _check_family(specials, family, str(path))
   encode = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
   return Tokenizer(pieces=pieces, encode_batch=encode, decode=tok.decode, specials=specials,
-                   word_start=word_start, sentinels=sentinels)
+                   word_start=word_start, sentinels=sentinels, serialized=tok.to_str())
 
 
 def _read_json(path: pathlib.Path) -> dict:

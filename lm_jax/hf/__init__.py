@@ -1,7 +1,8 @@
 """Hugging Face format: conversion between our params / model configs and transformers' checkpoints.
 
-export.py reads and writes the files (save_hf / load_hf); convert.py holds the table-driven tensor mapping
-the families share. Each family module (bert.py, gpt.py, t5.py) provides
+export.py reads and writes the files (save_hf / load_hf), tokenizer.py the tokenizer files of an export;
+convert.py holds the table-driven tensor mapping the families share. Each family module (bert.py, gpt.py,
+t5.py) provides
   hf_config(cfg) -> dict            config.json fields of the HF class save_hf writes
   config_from_hf(hf) -> ConfigDict  our model config from an HF config.json dict
   to_hf(cfg, params) -> dict        {HF tensor name: float32 numpy array}

@@ -1,6 +1,7 @@
-"""Hugging Face BERT: BertForPreTraining (what save_hf writes), BertForSequenceClassification (a model config with
-num_labels > 0) and encoder-only BertModel checkpoints, which load with the pooler and heads initialised
-randomly, as transformers does."""
+"""Hugging Face BERT: BertForPreTraining (what save_hf writes; BertForMaskedLM loads it too, leaving the pooler and
+NSP head aside, as it does bert-base-uncased), BertForSequenceClassification (a model config with num_labels > 0)
+and encoder-only BertModel checkpoints, which load with the pooler and heads initialised randomly, as transformers
+does."""
 import logging
 
 import ml_collections
@@ -71,7 +72,7 @@ def hf_config(cfg) -> dict:
             "label2id": {n: i for i, n in enumerate(names)},
             "problem_type": "regression" if labels == 1 else "single_label_classification"}
   return {
-      "architectures": ["BertForPreTraining"], "model_type": "bert",
+      "architectures": ["BertForMaskedLM", "BertForPreTraining"], "model_type": "bert",   # fill-mask first
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "intermediate_size": cfg.d_ff,
       "hidden_act": _ACT_TO_HF[cfg.activation], "hidden_dropout_prob": cfg.dropout_rate,

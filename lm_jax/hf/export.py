@@ -1,9 +1,11 @@
-"""Hugging Face files: config.json + model.safetensors, as transformers' from_pretrained reads them.
+"""Hugging Face files: config.json + model.safetensors, as transformers' from_pretrained reads them, and with a
+tokenizer its files (lm_jax/hf/tokenizer.py) and generation_config.json, so that AutoTokenizer, pipeline(...)
+and lm-evaluation-harness take the directory as it is.
 
-save_hf writes the layout of BertForPreTraining, OpenAIGPTLMHeadModel or T5ForConditionalGeneration
-(scanned layers are unstacked, float32). load_hf reads safetensors only, never pickles; it also takes
-encoder-only BertModel checkpoints (missing pooler / MLM / NSP heads are initialised randomly with a
-warning, like transformers does). A missing, unreadable or unfitting file is a one-line error that names
+save_hf writes the layout of BertForPreTraining (which BertForMaskedLM also loads), OpenAIGPTLMHeadModel or
+T5ForConditionalGeneration (scanned layers are unstacked, float32). load_hf reads safetensors only, never
+pickles; it also takes encoder-only BertModel checkpoints (missing pooler / MLM / NSP heads are initialised
+randomly with a warning, like transformers does). A missing, unreadable or unfitting file is a one-line error that names
 the file, and the tensor where one is at fault.
 """
 import glob
@@ -15,19 +17,45 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from lm_jax import hf, models
-from lm_jax.hf import convert
+from lm_jax.data import tokenizer as tokenizer_lib
+from lm_jax.hf import convert, tokenizer as hf_tokenizer
 
 MODEL_TYPES = {"bert": "bert", "openai-gpt": "gpt", "t5": "t5"}   # HF model_type -> family
 
 
-def save_hf(model_cfg, params, out_dir: str) -> None:
-  mod = hf.family_module(model_cfg)
+def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer | None = None) -> None:
+  """config.json, model.safetensors and, for GPT and T5, generation_config.json; with `tokenizer` (the run's)
+  also the tokenizer files, which give its ids."""
+  family = models.family_name(model_cfg)
+  mod = hf.family_module(family)
   config = mod.hf_config(model_cfg)
   tensors = mod.to_hf(model_cfg, params)
+  if tokenizer is not None:   # first: a tokenizer that does not fit stops the export before any file is written
+    need = tokenizer.vocab_size + (tokenizer_lib.NUM_SENTINELS if family == "t5" else 0)
+    if need > model_cfg.vocab_size:
+      raise ValueError(f"the tokenizer has {need} ids, more than the model's vocab_size={model_cfg.vocab_size}")
+    hf_tokenizer.save(tokenizer, family, out_dir,   # T5's relative positions have no length limit
+                      model_max_length=None if family == "t5" else model_cfg.max_positions)
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
   save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+  if family != "bert":
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+      json.dump(_generation_config(model_cfg, family, tokenizer), f, indent=2)
+
+
+def _generation_config(model_cfg, family, tokenizer) -> dict:
+  """Ids generate() needs: a GPT's end of text is its tokenizer's (the eos lm_jax appends to every document). No
+  max_length: generate() stops at the model's positions by itself, and a set one warns whenever max_new_tokens is
+  passed."""
+  if family == "t5" or tokenizer is None:
+    out = {"eos_token_id": model_cfg.eos_token_id, "pad_token_id": model_cfg.pad_token_id}
+  else:
+    out = {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+  if family == "t5":
+    out["decoder_start_token_id"] = model_cfg.decoder_start_token_id
+  return {k: v for k, v in out.items() if v is not None}
 
 
 def load_hf(path: str, **overrides):
@@ -51,6 +79,19 @@ def load_hf(path: str, **overrides):
     return model_cfg, hf.family_module(model_cfg).from_hf(model_cfg, tensors)
   except convert.TensorError as e:   # a missing tensor is in no file: name the directory
     raise ValueError(f"{sources.get(e.tensor, path)}: {e}") from None
+
+
+def load_hf_tokenizer(path: str) -> tokenizer_lib.Tokenizer:
+  """The tokenizer of a Hugging Face directory (tokenizer.json, vocab.txt or a SentencePiece *.model), with the
+  special ids of the family its config.json names: what save_hf wrote gives the exported tokenizer's ids."""
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f"{config_path} not found")
+  family = _read_config(config_path).family
+  if not glob.glob(os.path.join(path, "*.model")) and not any(
+      os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "vocab.txt")):
+    raise FileNotFoundError(f"{path} has no tokenizer.json, vocab.txt or *.model (exported without a tokenizer?)")
+  return tokenizer_lib.load(path, family)
 
 
 def _read_config(config_path: str):

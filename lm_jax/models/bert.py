@@ -29,6 +29,10 @@ class MLMHead(nn.Module):
     init = nn.initializers.truncated_normal(cfg.initializer_range)
     x = layers.Dense((cfg.d_model,), ("embed", "mlp"), kernel_init=init, name="dense", **kw)(x)
     x = layers.LayerNorm(cfg.layer_norm_eps, name="ln", **kw)(layers.activation(cfg.activation)(x))
+    # The activations' usual sharding, not the dense's 'mlp' (tensor) one: with that, the gradient dlogits @ embedding
+    # is a dot that XLA's SPMD partitioner (jaxlib 0.10.2) gets wrong when mesh data, fsdp and tensor are all > 1:
+    # it permutes dlogits' batch shards between data and fsdp and never permutes the product back.
+    x = layers.constrain(x, ("batch", "length", "embed"))
     bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,),
                       kw["param_dtype"])
     logits = embed.attend(x) + bias.astype(kw["dtype"])

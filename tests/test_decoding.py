@@ -1,0 +1,258 @@
+"""decoding.generate and decoding.score against transformers on tiny random models with odd sizes (vocab 98,
+d_model 36, 4 heads of 9): greedy and beam search token for token, on our exports and on a T5 saved by
+transformers; sampled first tokens against the filtered softmax (chi-square); scores against transformers'
+log-softmax; and the same results with params sharded over an 8-device (data, fsdp, tensor) mesh.
+
+Compiling dominates the time: every call here reuses one of few shapes (4 prompts, 8 new tokens, lengths
+in the first bucket), and options that are traced (EOS, sampling knobs, length penalty, early stopping)
+change between calls without recompiling."""
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from lm_jax import decoding, defaults, models
+from lm_jax.hf import export
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+stats = pytest.importorskip("scipy.stats")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+VOCAB, NEW = 98, 8
+PROMPTS = [[5, 17, 33, 2, 60, 71, 9], [44, 3], [12, 90, 8, 27], [81]]   # GPT prompts / T5 encoder inputs
+_rng = np.random.default_rng(0)
+CONTEXTS = [_rng.integers(2, 98, n).tolist() for n in (1, 12, 3, 11, 2)]
+CONTINUATIONS = [_rng.integers(2, 98, n).tolist() for n in (4, 1, 13, 2, 7)]
+HF_CLASSES = {"gpt": "OpenAIGPTLMHeadModel", "t5": "T5ForConditionalGeneration"}
+
+
+def tiny(family, **fields):
+  m = defaults.model_defaults(family)
+  m.update(dict(vocab_size=VOCAB, d_model=36, num_layers=2, num_heads=4, head_dim=9, d_ff=4 * 36, max_positions=40,
+                layer_norm_eps=1e-5, dropout_rate=0.0, attention_dropout_rate=0.0) | fields)
+  return m
+
+
+def random_params(m, seed=0):
+  """N(0, 0.3^2) tensors, norm scales 1 + N(0, 0.3^2), drawn in numpy (no compile): far enough from the init
+  (zero biases, unit norms, near-uniform logits) that a mapping bug would show."""
+  rng = np.random.default_rng(seed)
+  draw = lambda path, a: (0.3 * rng.standard_normal(a.shape) + path[-1].key.endswith("scale")).astype(np.float32)
+  return jax.tree_util.tree_map_with_path(draw, models.abstract_params(m))
+
+
+@functools.cache
+def exported(family, path):
+  """(our config, our params, the transformers model loaded from our export)."""
+  m = tiny(family)
+  p = random_params(m)
+  export.save_hf(m, p, path)
+  hf = getattr(transformers, HF_CLASSES[family]).from_pretrained(path, dtype=torch.float32).eval()
+  return m, p, hf
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+  return exported("gpt", str(tmp_path_factory.mktemp("gpt")))
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory):
+  return exported("t5", str(tmp_path_factory.mktemp("t5")))
+
+
+@pytest.fixture(scope="module")
+def t5_from_transformers(tmp_path_factory):
+  """A v1.1-style T5 (gated GELU, untied head, 3 encoder / 2 decoder layers) made and saved by transformers."""
+  torch.manual_seed(0)
+  config = transformers.T5Config(vocab_size=VOCAB, d_model=36, d_kv=10, d_ff=52, num_layers=3, num_decoder_layers=2,
+                                 num_heads=3, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                                 relative_attention_num_buckets=8, relative_attention_max_distance=20,
+                                 dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+  hf = transformers.T5ForConditionalGeneration(config).eval()
+  with torch.no_grad():
+    for t in hf.parameters():
+      t.add_(0.3 * torch.randn_like(t))
+  path = tmp_path_factory.mktemp("t5_hf")
+  hf.save_pretrained(path, safe_serialization=True)
+  m, p = export.load_hf(str(path))
+  return m, p, hf
+
+
+def hf_generate(hf, family, prompts, eos_id, **kw):
+  """transformers' continuations, cut after the first EOS. GPT: one prompt at a time, since transformers'
+  OpenAIGPT takes no position ids in generate and would shift a left-padded row's positions; T5: one padded
+  batch with its attention mask, as a tokenizer makes it."""
+  kw = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos_id, pad_token_id=0, **kw)
+  if family == "gpt":
+    with torch.no_grad():
+      out = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)[0, len(p):]
+             for p in prompts]
+  else:
+    ids = np.zeros((len(prompts), max(map(len, prompts))), np.int64)
+    for i, p in enumerate(prompts):
+      ids[i, :len(p)] = p
+    with torch.no_grad():
+      out = hf.generate(torch.tensor(ids), attention_mask=torch.tensor((ids > 0).astype(np.int64)), **kw)[:, 1:]
+  rows = [o.tolist() for o in out]
+  return [r[:r.index(eos_id) + 1] if eos_id in r else r for r in rows]
+
+
+def check_against_transformers(m, p, hf, family):
+  """Greedy and 4-beam search equal transformers' for prompts of different lengths; EOS is a token the greedy
+  decoding emits early, so some rows stop early and others run to max_new_tokens."""
+  free = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW)
+  assert [len(r) for r in free] == [NEW] * len(PROMPTS)
+  eos = free[0][2]
+  greedy = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, eos_id=eos)
+  assert greedy == hf_generate(hf, family, PROMPTS, eos)
+  assert greedy[0] == free[0][:free[0].index(eos) + 1] and min(map(len, greedy)) < NEW == max(map(len, greedy))
+  beam = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, method="beam", num_beams=4, eos_id=eos)
+  assert beam == hf_generate(hf, family, PROMPTS, eos, num_beams=4, length_penalty=1.0, early_stopping=True)
+  assert beam != greedy
+  return eos
+
+
+def test_gpt_matches_transformers(gpt):
+  check_against_transformers(*gpt, "gpt")
+
+
+def test_t5_matches_transformers(t5):
+  m, p, hf = t5
+  eos = check_against_transformers(m, p, hf, "t5")
+  # a length penalty and the other early-stopping rules (traced options: no new compile)
+  for early_stopping in (False, "never"):
+    kw = dict(max_new_tokens=NEW, method="beam", num_beams=4, eos_id=eos, length_penalty=0.5)
+    ours = decoding.generate(m, p, PROMPTS, early_stopping=early_stopping, **kw)
+    hf_kw = dict(num_beams=4, length_penalty=0.5, early_stopping=early_stopping)
+    assert ours == hf_generate(hf, "t5", PROMPTS, eos, **hf_kw), early_stopping
+
+
+def test_t5_from_transformers_matches(t5_from_transformers):
+  check_against_transformers(*t5_from_transformers, "t5")
+
+
+def test_generate_errors(gpt):
+  m, p, _ = gpt
+  with pytest.raises(ValueError, match="exceeds model.max_positions=40 by 1"):
+    decoding.generate(m, p, [[1] * 34], max_new_tokens=NEW)
+  with pytest.raises(ValueError, match=r"prompts_ids\[1\] has token ids outside \[0, model.vocab_size=98\)"):
+    decoding.generate(m, p, [[1], [98]], max_new_tokens=NEW)
+  with pytest.raises(ValueError, match="unknown decoding method 'topk'"):
+    decoding.generate(m, p, [[1]], max_new_tokens=NEW, method="topk")
+  with pytest.raises(ValueError, match="sampling needs temperature > 0"):
+    decoding.generate(m, p, [[1]], max_new_tokens=NEW, method="sample", temperature=0.0)
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
+  """The distribution sampling should follow, written independently in float64 numpy."""
+  z = logits.astype(np.float64) / temperature
+  keep = np.ones_like(z, bool)
+  if top_k:
+    keep &= z >= np.sort(z)[-top_k]
+  probs = np.where(keep, np.exp(z - z.max()), 0.0)
+  probs /= probs.sum()
+  order = np.argsort(-probs)
+  n = np.searchsorted(np.cumsum(probs[order]), top_p) + 1   # smallest prefix with mass >= top_p
+  keep[order[n:]] = False
+  probs = np.where(keep, probs, 0.0)
+  return probs / probs.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (1.0, 6, 1.0), (1.0, 0, 0.7), (1.5, 12, 0.9)])
+def test_sampling_follows_filtered_softmax(gpt, temperature, top_k, top_p):
+  m, p, hf = gpt
+  prompt, draws = PROMPTS[0], 4096
+  with torch.no_grad():
+    logits = hf(torch.tensor([prompt])).logits[0, -1].numpy()
+  expected = filtered_probs(logits, temperature, top_k, top_p)
+  assert 3 <= np.count_nonzero(expected) < VOCAB or (top_k, top_p) == (0, 1.0)
+  kw = dict(max_new_tokens=2, method="sample", temperature=temperature, top_k=top_k, top_p=top_p)
+  tokens = np.array(decoding.generate(m, p, [prompt] * draws, seed=0, **kw))
+  counts = np.bincount(tokens[:, 0], minlength=VOCAB)
+  assert counts[expected == 0].sum() == 0   # never a filtered token
+  # chi-square over the kept tokens, those expected fewer than 5 times merged into one bin
+  common, rare = expected * draws >= 5, (expected > 0) & (expected * draws < 5)
+  observed, wanted = counts[common], expected[common] * draws
+  if rare.any():
+    observed, wanted = np.append(observed, counts[rare].sum()), np.append(wanted, expected[rare].sum() * draws)
+  assert stats.chisquare(observed, wanted).pvalue > 1e-3
+  if top_k and top_p < 1:   # reproducible: the seed fixes every token
+    assert np.array_equal(tokens, decoding.generate(m, p, [prompt] * draws, seed=0, **kw))
+    assert not np.array_equal(tokens, decoding.generate(m, p, [prompt] * draws, seed=1, **kw))
+
+
+# --------------------------------------------------------------------------------------------------- score
+def hf_score(hf, family, context, continuation):
+  """Summed log-softmax of the continuation and its greedy flag, from transformers' logits."""
+  with torch.no_grad():
+    if family == "gpt":
+      logits = hf(torch.tensor([context + continuation])).logits[0, len(context) - 1:-1]
+    else:
+      decoder = torch.tensor([[hf.config.decoder_start_token_id] + continuation[:-1]])
+      logits = hf(input_ids=torch.tensor([context]), decoder_input_ids=decoder).logits[0]
+  logprobs = torch.log_softmax(logits.double(), -1).numpy()
+  return logprobs[np.arange(len(continuation)), continuation].sum(), bool(np.all(logprobs.argmax(-1) == continuation))
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_score_matches_transformers(family, request):
+  m, p, hf = request.getfixturevalue(family)
+  greedy = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW)   # compiled already
+  contexts, continuations = PROMPTS + CONTEXTS, greedy + CONTINUATIONS
+  logprob, is_greedy = decoding.score(m, p, contexts, continuations, batch_size=4)
+  expected = [hf_score(hf, family, c, x) for c, x in zip(contexts, continuations)]
+  np.testing.assert_allclose(logprob, [e[0] for e in expected], atol=1e-4, rtol=0)
+  assert is_greedy.tolist() == [e[1] for e in expected]
+  assert is_greedy[:len(PROMPTS)].all() and not is_greedy[len(PROMPTS):].all()
+
+
+def test_score_errors(gpt):
+  m, p, _ = gpt
+  with pytest.raises(ValueError, match=r"continuations\[0\] is empty"):
+    decoding.score(m, p, [[1]], [[]])
+  with pytest.raises(ValueError, match="context \\+ continuation 0 has 42 tokens; GPT reads at most"):
+    decoding.score(m, p, [[1] * 40], [[2, 3]])
+
+
+# ---------------------------------------------------------------------------------------------------- mesh
+MESH_SCRIPT = """
+import json, sys
+import jax
+from flax import linen as nn
+sys.path.insert(0, {tests!r})
+from test_decoding import tiny, random_params, NEW, PROMPTS
+from lm_jax import decoding, defaults, models, sharding
+
+config = defaults.base_config()
+config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+mesh, rules = sharding.make_mesh(config), sharding.RULES
+m = tiny("t5")
+with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  params = jax.device_put(random_params(m), sharding.logical_to_sharding(models.logical_axes(m), mesh, rules))
+  tokens = decoding.generate(m, params, PROMPTS, max_new_tokens=NEW, method="beam")
+print("RESULT" + json.dumps(dict(tokens=tokens, embedding=list(params["shared"]["embedding"].sharding.spec))))
+"""
+
+
+def test_mesh_matches_single_device(t5):
+  """With params sharded over a (2, 2, 2) mesh as the trainer shards them (embeddings over (tensor, fsdp)),
+  the rows and beams over data x fsdp, T5's beam search (encoder, cross-attention cache, beam reordering,
+  top-k over the sharded vocabulary) gives the single-device tokens. One program: compiling for 8 devices
+  is slow."""
+  script = MESH_SCRIPT.format(tests=str(REPO / "tests"))
+  run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                            "JAX_PLATFORMS": "cpu"})
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = json.loads(run.stdout.split("RESULT")[-1])
+  assert out["embedding"] == ["tensor", "fsdp"]
+  assert out["tokens"] == decoding.generate(*t5[:2], PROMPTS, max_new_tokens=NEW, method="beam")
