@@ -225,7 +225,7 @@ def test_clm_never_scores_padding(monkeypatch):
 def test_registry():
   assert {n: objectives.get(n).families for n in ("mlm", "clm", "span_corruption")} == {
       "mlm": ("bert",), "clm": ("gpt",), "span_corruption": ("t5",)}
-  with pytest.raises(ValueError, match="config.objective='prefix_lm' is unknown; known: clm, mlm, span_corruption"):
+  with pytest.raises(ValueError, match="config.objective='prefix_lm' is unknown; known: classify, clm, mlm, span_corruption"):
     objectives.get("prefix_lm")
 
 
