@@ -10,6 +10,7 @@ import time
 from typing import Callable
 
 import jax
+import numpy as np
 from etils import epath
 from flax import linen as nn
 from jax.sharding import Mesh
