@@ -71,6 +71,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.finetune = ml_collections.ConfigDict()   # what trains when starting from init_from (lm_jax/finetune.py)
   c.finetune.freeze = ()          # regexes over parameter paths, e.g. ("embeddings", "layers_[0-9]/")
   c.finetune.reinit_top_layers = 0  # the top layers keep their fresh init instead of the pre-trained values
+  c.finetune.layer_decay = 1.0    # lr of layer i = lr * decay^(num_layers - i), embeddings one step lower; 1 = off
+  c.finetune.best_metric = ""     # e.g. "eval_accuracy": keep the checkpoint of the best eval in WORKDIR/best
   return c
 
 

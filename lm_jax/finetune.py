@@ -8,6 +8,9 @@ config.finetune.
   from the pre-trained value; the rest (new task heads) keeps the fresh init drawn from the run's seed; the
   pre-trained heads the run's model lacks are dropped (BERT §4: the MLM / NSP heads give way to the classifier).
   finetune.reinit_top_layers resets the top layers of every layer stack to the fresh init.
+- layer_decay: finetune.layer_decay < 1 gives layer i the learning rate lr * decay^(num_layers - i)
+  (lm_jax.optim.layer_lr_scales).
+- Best: finetune.best_metric (e.g. eval_accuracy) keeps the checkpoint of the best eval in WORKDIR/best.
 - predict: --mode=predict, the latest checkpoint's predictions for task.test_split as a TSV.
 - trainable_mask / split / merge: finetune.freeze holds regexes over parameter paths ('/'-joined, layers named
   as when looped: 'word_embeddings/embedding', 'layers_3/mlp/wi/kernel'); matching parameters are frozen: the
@@ -15,6 +18,7 @@ config.finetune.
   lm_jax/optim.py), while checkpoints still hold every parameter.
 """
 import glob
+import json
 import os
 import re
 import string
@@ -23,6 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from lm_jax import checkpoint, models, sharding
 from lm_jax.models import layers
@@ -168,6 +173,12 @@ def _patterns(config) -> tuple:
   return tuple(group.get("freeze", ())) if group is not None else ()
 
 
+def layer_decay(config) -> float:
+  """config.finetune.layer_decay (1.0 = every layer at the same lr), 1.0 for configs without the field."""
+  group = config.get("finetune")
+  return float(group.get("layer_decay", 1.0)) if group is not None else 1.0
+
+
 def _frozen_looped(model_cfg, patterns) -> dict:
   """{looped path string: frozen?} of every parameter."""
   looped = models.abstract_params(layers.replace(model_cfg, scan_layers=False))
@@ -182,6 +193,16 @@ def check(config):
                      f" got {top}")
   if top and not config.init_from:
     raise ValueError("config.finetune.reinit_top_layers needs config.init_from (the model to start from)")
+  best = config.finetune.best_metric
+  if best and (not best.startswith("eval_") or not config.eval_every):
+    raise ValueError(f"config.finetune.best_metric={best!r} must name an eval metric (eval_accuracy, eval_loss, ...) "
+                     f"and needs config.eval_every > 0, got eval_every={config.eval_every}")
+  decay = layer_decay(config)
+  if not 0 < decay <= 1:
+    raise ValueError(f"config.finetune.layer_decay must be in (0, 1] (1 = off), got {decay}")
+  if decay != 1 and config.model.family not in ("bert", "gpt"):
+    raise ValueError(f"config.finetune.layer_decay needs a bert or gpt model (one layer stack), got "
+                     f"{config.model.family!r}")
   for rx in patterns:
     try:
       re.compile(rx)
@@ -246,6 +267,46 @@ def trainable_count(config) -> tuple[int, int]:
   """(trainable, total) parameter counts of config.model under config.finetune.freeze."""
   abstract = models.abstract_params(config.model)
   return models.count(split(abstract, trainable_mask(config))[0]), models.count(abstract)
+
+
+# -------------------------------------------------------------------------------------------------- best checkpoint
+class Best:
+  """The checkpoint of the best eval by config.finetune.best_metric (lower is better for losses, mse, perplexity
+  and bits, higher for the rest), kept in WORKDIR/best: a workdir of its own with the run's tokenizer, so
+  --init_from=WORKDIR/best evaluates, exports or predicts it. best/best.json holds its eval record, so a resumed
+  run keeps comparing against it."""
+
+  def __init__(self, workdir: str, config):
+    self.metric, self.workdir = config.finetune.best_metric, epath.Path(workdir)
+    self.dir = self.workdir / "best"
+    self.mngr = checkpoint.manager(str(self.dir), 1)
+    self._record_path = self.dir / "best.json"
+    self.record = json.loads(self._record_path.read_text()) if self._record_path.exists() else None
+
+  def _better(self, value: float) -> bool:
+    if self.record is None:
+      return True
+    lower = any(word in self.metric for word in ("loss", "mse", "perplexity", "bits"))
+    return value < self.record[self.metric] if lower else value > self.record[self.metric]
+
+  def offer(self, record: dict, state, data_state: dict, config) -> bool:
+    """Saves `state` when record (an eval record with its step) is the best so far; whether it was."""
+    if self.metric not in record:
+      raise ValueError(f"config.finetune.best_metric={self.metric!r} is not an eval metric of this run; it has "
+                       f"{', '.join(k for k in record if k != 'step')}")
+    if not self._better(record[self.metric]):
+      return False
+    checkpoint.save(self.mngr, record["step"], state, data_state, config)
+    checkpoint.finish(self.mngr)
+    if jax.process_index() == 0:
+      for tokenizer in self.workdir.glob("tokenizer_*.model"):
+        tokenizer.copy(self.dir / tokenizer.name, overwrite=True)
+      self._record_path.write_text(json.dumps(record))
+    self.record = record
+    return True
+
+  def close(self):
+    self.mngr.close()
 
 
 # ----------------------------------------------------------------------------------------------------- predict

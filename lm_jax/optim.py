@@ -13,10 +13,12 @@ applies bias correction and BERT's does not; for the others it equals the optax 
 without `scan_layers`; params named 'bias' are never decayed. For BERT that is exactly "not LayerNorm,
 not bias", for GPT-1 exactly "rank > 1" of the original code.
 """
+import re
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
@@ -92,9 +94,32 @@ def adam(lr, b1: float, b2: float, eps: float, weight_decay: float, decay_mask, 
   return optax.GradientTransformation(init, update)
 
 
+def layer_lr_scales(logical_axes, num_layers: int, decay: float):
+  """Per-parameter lr factors of layer-wise lr decay (ELECTRA, Clark et al. 2020 App. A): decay^(L + 1 - depth)
+  with depth 0 for the embeddings, i + 1 for layer i and L + 1 (factor 1) above (pooler, heads); a scanned stack
+  gets one factor per layer along its leading axis."""
+  def scale(path, spec):
+    top = path[0].key
+    looped = re.fullmatch(r"layers_(\d+)", top)
+    if looped:
+      return np.float32(decay ** (num_layers - int(looped.group(1))))
+    if top == "layers":
+      return (decay ** (num_layers - np.arange(num_layers, dtype=np.float32))).reshape((-1,) + (1,) * (len(spec) - 1))
+    return np.float32(decay ** (num_layers + 1) if "embed" in top else 1.0)
+  return jax.tree_util.tree_map_with_path(scale, logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def scale_updates(scales) -> optax.GradientTransformation:
+  """Multiplies each update by its factor in `scales` (a tree like the params): per-parameter learning rates."""
+  return optax.GradientTransformation(
+      lambda params: optax.EmptyState(),
+      lambda updates, state, params=None: (jax.tree.map(lambda u, k: (u * k).astype(u.dtype), updates, scales), state))
+
+
 def make(config, logical_axes):
   """Returns (optax transformation, lr schedule) for config.optimizer; logical_axes from lm_jax.models. The
-  transformation is over the trainable params only (finetune.split by config.finetune.freeze)."""
+  transformation is over the trainable params only (finetune.split by config.finetune.freeze), with
+  config.finetune.layer_decay's per-layer learning rates when it is below 1."""
   logical_axes = finetune.split(logical_axes, finetune.trainable_mask(config))[0]
   opt = config.optimizer
   if opt.name not in OPTIMIZERS:
@@ -108,4 +133,7 @@ def make(config, logical_axes):
   else:
     tx = adam(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, decay_mask(logical_axes), opt.clip_norm,
               bias_correction=opt.name != "bert_adamw")
+  layer_decay = finetune.layer_decay(config)
+  if layer_decay != 1.0:
+    tx = optax.chain(tx, scale_updates(layer_lr_scales(logical_axes, config.model.num_layers, layer_decay)))
   return tx, lr

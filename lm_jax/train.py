@@ -152,6 +152,7 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
   run_eval = make_evaluator(s) if c.eval_every else None
   batch_sh, peak = sharding.batch_sharding(s.mesh), hardware.peak_flops(list(s.mesh.devices.flat), c.peak_tflops)
   result, meter = {"step": start, "train": None, "eval": None}, _Meter(start)
+  best = finetune.Best(str(mngr.directory.parent), c) if run_eval and c.finetune.best_metric else None
   if start >= end:
     _print(f"nothing to do: checkpoint step {start} >= end step {end}")
   with checkpoint.Preemption() as preemption:
@@ -166,6 +167,8 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
       t_pause = time.perf_counter()
       if run_eval and (i % c.eval_every == 0 or last):
         result["eval"] = _evaluate(run_eval, state, i, end, log)
+        if best and best.offer(result["eval"], state, checkpoint.data_state(train_it), c):
+          _print(f"best {c.finetune.best_metric} so far: step {i}, kept in {best.dir}")
       if i % c.checkpoint_every == 0 or last or stop:
         meter.check_finite(mngr)
         checkpoint.save(mngr, i, state, checkpoint.data_state(train_it), c)
@@ -174,6 +177,8 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
       if stop:
         _print(f"SIGTERM: saved step {i}, exiting")
         break
+  if best:
+    best.close()
   return state, result
 
 

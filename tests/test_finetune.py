@@ -1,6 +1,7 @@
 """Fine-tuning: task data (files, TFDS), the BERT classifier and its Hugging Face export, starting from a pre-trained
 model (HF directory or workdir), freezing, the classify objective's metrics and predictions, and the real
 all-MiniLM-L6-v2 fine-tuned on the offline SST-2."""
+import json
 import shutil
 import time
 import types
@@ -10,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, defaults, evaluate, finetune, models, objectives, train
+from lm_jax import config_lib, defaults, evaluate, finetune, metrics_log, models, objectives, optim, train
 from lm_jax.data import pipeline, sources, tasks, tokenizer as tokenizer_lib
 from lm_jax.hf import export
 from lm_jax.objectives import classify
@@ -209,7 +210,8 @@ def _get(tree, path):
 @pytest.fixture(scope="module")
 def frozen_run(tiny_hf, sst2, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("frozen")
-  config = finetune_config(sst2, tiny_hf, **{"finetune.freeze": ("embeddings", "layers_0/")})
+  config = finetune_config(sst2, tiny_hf, **{"finetune.freeze": ("embeddings", "layers_0/"), "eval_every": 1,
+                                             "finetune.best_metric": "eval_loss"})
   result = train.train(config, str(workdir))
   return config, workdir, result
 
@@ -226,6 +228,38 @@ def test_frozen_params_are_untouched_and_have_no_optimizer_state(frozen_run, tin
   s, restored, step = train.restore_params(config, str(workdir))   # the checkpoint holds the frozen params too
   assert step == 3
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(params))
+
+
+def test_best_checkpoint_is_a_workdir_of_its_own(frozen_run, tmp_path):
+  """finetune.best_metric=eval_loss: WORKDIR/best holds the step of the lowest eval loss; --init_from=WORKDIR/best
+  restores it in another workdir."""
+  config, workdir, _ = frozen_run
+  losses = {r["step"]: r["eval_loss"] for r in metrics_log.read(workdir / "metrics.jsonl") if "eval_loss" in r}
+  assert sorted(losses) == [1, 2, 3]
+  best = json.loads((workdir / "best" / "best.json").read_text())
+  assert best["step"] == min(losses, key=losses.get) and best["eval_loss"] == min(losses.values())
+  elsewhere = config.copy_and_resolve_references()
+  elsewhere.init_from = str(workdir / "best")
+  assert train.restore_params(elsewhere, str(tmp_path))[2] == best["step"]
+
+
+def test_layer_decay_scales_each_layers_updates():
+  """finetune.layer_decay=0.5: the update of layer i is 0.5^(L - i) times the undecayed one, the embeddings'
+  0.5^(L + 1), the pooler's and classifier's the same."""
+  c = defaults.base_config()
+  c.model = tiny_bert(vocab_size=101, num_labels=2)
+  c.optimizer.name, c.optimizer.clip_norm = "adamw", 0.0
+  params = models.init(c.model, jax.random.key(0))
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
+  updates = {}
+  for decay in (1.0, 0.5):
+    c.finetune.layer_decay = decay
+    tx, _ = optim.make(c, models.logical_axes(c.model))
+    updates[decay] = tx.update(grads, tx.init(params), params)[0]
+  ratio = lambda *path: float(_get(updates[0.5], path)[0, 0] / _get(updates[1.0], path)[0, 0])
+  assert ratio("word_embeddings", "embedding") == pytest.approx(0.5 ** 4)
+  assert [ratio(f"layers_{i}", "mlp", "wi", "kernel") for i in range(3)] == pytest.approx([0.125, 0.25, 0.5])
+  assert ratio("pooler", "kernel") == ratio("classifier", "kernel") == 1.0
 
 
 def test_trainable_count_is_the_hand_count():

@@ -81,12 +81,13 @@ def get_config(arg="sst2"):
     _schedule(c, examples, 3)
     return c
 
-  c.task.files = sst2_files             # the offline SST-2: sentence<TAB>label
-  c.task.text_fields, c.task.label_field = ("0",), "1"
-  c.data.train_split, c.data.eval_split, c.task.test_split = "train", "dev", "test"
   if arg == "tiny":   # from scratch: a SentencePiece tokenizer trained on the task's text (data.files)
     defaults.tiny(c)
     c.data.tfds_name, c.data.files = "", sst2_files
+  c.task.files = sst2_files             # the offline SST-2: sentence<TAB>label
+  c.task.text_fields, c.task.label_field = ("0",), "1"
+  c.data.train_split, c.data.eval_split, c.task.test_split = "train", "dev", "test"
+  if arg == "tiny":
     m.max_positions = 128
     c.data.seq_len, c.data.eval_batches = 64, 0
     c.optimizer.lr = 1e-3
