@@ -1,5 +1,5 @@
-"""Start from any checkpoint and choose what trains: the pure functions behind config.init_from and
-config.finetune.
+"""Fine-tuning: start from any checkpoint (config.init_from), choose what trains (config.finetune), keep the best
+checkpoint, write predictions.
 
 - resolve(config): the run's model config takes the architecture of config.init_from (a Hugging Face directory's
   config.json, or the saved config of another run's workdir) and keeps its own runtime fields and num_labels; the
@@ -34,7 +34,7 @@ from lm_jax.models import layers
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
 RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels")
-_LOOPED = re.compile(r"^(.*)_(\d+)$")
+_LAYER = re.compile(r"layers_(\d+)")   # a looped layer's params; scanned ones are all under "layers"
 
 
 def _is_hf(path: str) -> bool:
@@ -42,8 +42,8 @@ def _is_hf(path: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ the pre-trained model
-def _saved_run(path: str) -> tuple[dict, int]:
-  """(saved config, step) of the latest checkpoint of the run in `path`."""
+def _saved_config(path: str) -> dict:
+  """The saved config of the latest checkpoint of the run in `path`."""
   mngr = checkpoint.manager(path, 1)
   latest = mngr.latest_step()
   if latest is None:
@@ -51,7 +51,7 @@ def _saved_run(path: str) -> tuple[dict, int]:
                             "workdir with a checkpoint")
   saved = mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
   mngr.close()
-  return saved, latest
+  return saved
 
 
 def source_model(path: str) -> tuple[ml_collections.ConfigDict, str]:
@@ -59,7 +59,7 @@ def source_model(path: str) -> tuple[ml_collections.ConfigDict, str]:
   if _is_hf(path):
     from lm_jax.hf import export
     return export._read_config(os.path.join(path, "config.json")), path
-  saved, _ = _saved_run(path)
+  saved = _saved_config(path)
   model = ml_collections.ConfigDict(saved["model"])
   tokenizer = saved["data"].get("tokenizer") or next(iter(sorted(glob.glob(
       os.path.join(path, f"tokenizer_{model.family}_*.model")))), "")
@@ -90,7 +90,7 @@ def _relayout(tree, scan: bool):
   """`tree` with every layer stack in the scanned (scan=True) or looped layout."""
   if not isinstance(tree, dict):
     return tree
-  stack = [k for k in tree if k == "layers" or ((m := _LOOPED.match(k)) and m.group(1) == "layers")]
+  stack = [k for k in tree if k == "layers" or _LAYER.fullmatch(k)]
   rest = {k: _relayout(v, scan) for k, v in tree.items() if k not in stack}
   if not stack:
     return rest
@@ -106,8 +106,7 @@ def pretrained_params(config, mesh, rules) -> dict:
     _, params = export.load_hf(path, **{k: m[k] for k in RUN_FIELDS if k in m and k != "num_labels"})
     return params
   from lm_jax import step
-  saved, _ = _saved_run(path)
-  source = ml_collections.ConfigDict(saved)
+  source = ml_collections.ConfigDict(_saved_config(path))
   _, _, abstract, shardings = step.state_layout(source, mesh, rules)
   mngr = checkpoint.manager(path, 1)
   restored = checkpoint.restore_latest(mngr, abstract, shardings, source, with_data=False)
@@ -140,11 +139,11 @@ def _reinit_top(params: dict, fresh: dict, k: int) -> dict:
   if not k or not isinstance(params, dict):
     return params
   out = {}
-  looped = {int(m.group(2)) for key in params if (m := _LOOPED.match(key)) and m.group(1) == "layers"}
+  looped = sum(1 for key in params if _LAYER.fullmatch(key))
   for key, value in params.items():
-    m = _LOOPED.match(key)
-    if m and m.group(1) == "layers":
-      out[key] = fresh[key] if int(m.group(2)) >= len(looped) - k else value
+    m = _LAYER.fullmatch(key)
+    if m:
+      out[key] = fresh[key] if int(m.group(1)) >= looped - k else value
     elif key == "layers":
       out[key] = jax.tree.map(lambda p, f: np.concatenate([np.asarray(p)[:-k], np.asarray(f)[-k:]]), value, fresh[key])
     else:
@@ -227,9 +226,7 @@ def trainable_mask(config) -> dict | None:
   frozen = _frozen_looped(config.model, patterns)
   mask = {}
   for path, is_frozen in frozen.items():
-    keys = path.split("/")
-    m = _LOOPED.match(keys[0]) if config.model.scan_layers else None
-    keys = ["layers", *keys[1:]] if m and m.group(1) == "layers" else keys
+    keys = ["layers" if config.model.scan_layers and _LAYER.fullmatch(k) else k for k in path.split("/")]
     node = mask
     for k in keys[:-1]:
       node = node.setdefault(k, {})
