@@ -6,7 +6,6 @@ log-softmax; and T5's beam search with params sharded over an 8-device (data, fs
 Compiling dominates the time: every call here reuses one of few shapes (4 prompts, 8 new tokens, lengths
 in the first bucket), and options that are traced (EOS, sampling knobs, length penalty, early stopping)
 change between calls without recompiling."""
-import functools
 import json
 import os
 import subprocess
@@ -47,7 +46,6 @@ def random_params(m, seed=0):
   return jax.tree_util.tree_map_with_path(draw, models.abstract_params(m))
 
 
-@functools.cache
 def exported(family, path):
   """(our config, our params, the transformers model loaded from our export)."""
   m = tiny(family)
