@@ -3,7 +3,7 @@ the latest checkpoint of a workdir or a Hugging Face directory (config.init_from
 import jax
 import numpy as np
 
-from lm_jax import models, train
+from lm_jax import decoding, models, train
 
 MASK = "[MASK]"
 
@@ -17,6 +17,16 @@ def read_prompts(prompts, prompts_file: str | None) -> list[str]:
   if not out:
     raise ValueError("give at least one --prompt or a --prompts_file")
   return out
+
+
+def generate_text(config, workdir: str, texts: list[str], **options) -> list[str]:
+  """Continuations of text prompts (GPT: the text so far; T5: the encoder input, eos-terminated) with
+  lm_jax.decoding.generate(**options), decoded without their eos."""
+  s, params, _ = train.restore_params(config, workdir)
+  tok, m = s.tokenizer, s.config.model
+  prompts = [tok.encode(t) + ([tok.eos_id] if m.family == "t5" else []) for t in texts]
+  out = decoding.generate(m, params, prompts, eos_id=tok.eos_id, pad_id=tok.pad_id, **options)
+  return [tok.decode([i for i in ids if i != tok.eos_id]) for ids in out]
 
 
 def encode_masked(tokenizer, text: str) -> list[int]:

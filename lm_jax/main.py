@@ -15,10 +15,18 @@ from lm_jax import config_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary", "fill_mask", "predict"],
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary", "generate", "fill_mask", "predict"],
                           "what to do (predict: task.test_split predictions of a fine-tuned model as a TSV)")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
-_PROMPT = flags.DEFINE_multi_string("prompt", None, "--mode=fill_mask: a text with [MASK]s (repeatable)")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "--mode=generate: a prompt; --mode=fill_mask: a text with "
+                                    "[MASK]s (repeatable)")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "--mode=generate: tokens to generate per prompt")
+_METHOD = flags.DEFINE_enum("method", "greedy", ["greedy", "sample", "beam"], "--mode=generate: decoding method")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "--method=sample: softmax temperature")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "--method=sample: keep the k most likely tokens (0 = all)")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "--method=sample: nucleus probability mass (1.0 = all)")
+_NUM_BEAMS = flags.DEFINE_integer("num_beams", 4, "--method=beam: beams")
+_SEED = flags.DEFINE_integer("seed", 0, "--method=sample: random seed")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "prompts, one per line (with or instead of --prompt)")
 _INIT_FROM = flags.DEFINE_string("init_from", None, "a Hugging Face directory or run workdir to evaluate / start "
                                  "from (sets config.init_from)")
@@ -48,6 +56,8 @@ def _run(config, mode):
     train.evaluate_checkpoint(config, _WORKDIR.value)
   elif mode == "fill_mask":
     _print_fills(config)
+  elif mode == "generate":
+    _print_generations(config)
   elif mode == "predict":
     from lm_jax import finetune
     path, metrics = finetune.predict(config, _WORKDIR.value)
@@ -56,6 +66,15 @@ def _run(config, mode):
     if not _EXPORT_DIR.value:
       raise app.UsageError("--export_dir is required for --mode=export")
     train.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value)
+
+
+def _print_generations(config):
+  from lm_jax import inference
+  texts = inference.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
+  options = dict(max_new_tokens=_MAX_NEW.value, method=_METHOD.value, temperature=_TEMPERATURE.value,
+                 top_k=_TOP_K.value, top_p=_TOP_P.value, num_beams=_NUM_BEAMS.value, seed=_SEED.value)
+  for text, continuation in zip(texts, inference.generate_text(config, _WORKDIR.value, texts, **options)):
+    print(f"{text}\n  -> {continuation}")
 
 
 def _print_fills(config):

@@ -1,15 +1,13 @@
 """decoding.generate and decoding.score against transformers on tiny random models with odd sizes (vocab 98,
 d_model 36, 4 heads of 9): greedy and beam search token for token, on our exports and on a T5 saved by
 transformers; sampled first tokens against the filtered softmax (chi-square); scores against transformers'
-log-softmax; and the same results with params sharded over an 8-device (data, fsdp, tensor) mesh.
+log-softmax; and T5's beam search with params sharded over an 8-device (data, fsdp, tensor) mesh.
 
 Compiling dominates the time: every call here reuses one of few shapes (4 prompts, 8 new tokens, lengths
 in the first bucket), and options that are traced (EOS, sampling knobs, length penalty, early stopping)
 change between calls without recompiling."""
-import functools
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -17,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import REPO
 from lm_jax import decoding, defaults, models
 from lm_jax.hf import export
 
@@ -24,12 +23,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 stats = pytest.importorskip("scipy.stats")
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCAB, NEW = 98, 8
 PROMPTS = [[5, 17, 33, 2, 60, 71, 9], [44, 3], [12, 90, 8, 27], [81]]   # GPT prompts / T5 encoder inputs
-_rng = np.random.default_rng(0)
-CONTEXTS = [_rng.integers(2, 98, n).tolist() for n in (1, 12, 3, 11, 2)]
-CONTINUATIONS = [_rng.integers(2, 98, n).tolist() for n in (4, 1, 13, 2, 7)]
+_RNG = np.random.default_rng(0)   # score pairs: random token ids, one bucket of lengths
+CONTEXTS = [_RNG.integers(2, VOCAB, n).tolist() for n in (1, 12, 3, 11, 2)]
+CONTINUATIONS = [_RNG.integers(2, VOCAB, n).tolist() for n in (4, 1, 13, 2, 7)]
 HF_CLASSES = {"gpt": "OpenAIGPTLMHeadModel", "t5": "T5ForConditionalGeneration"}
 
 
@@ -48,7 +46,6 @@ def random_params(m, seed=0):
   return jax.tree_util.tree_map_with_path(draw, models.abstract_params(m))
 
 
-@functools.cache
 def exported(family, path):
   """(our config, our params, the transformers model loaded from our export)."""
   m = tiny(family)
@@ -225,20 +222,19 @@ def test_score_errors(gpt):
 
 # ---------------------------------------------------------------------------------------------------- mesh
 MESH_SCRIPT = """
-import json, sys
+import json
 import jax
 from flax import linen as nn
-sys.path.insert(0, {tests!r})
-from test_decoding import tiny, random_params, NEW, PROMPTS
 from lm_jax import decoding, defaults, models, sharding
+from lm_jax.hf import export
 
 config = defaults.base_config()
 config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
 mesh, rules = sharding.make_mesh(config), sharding.RULES
-m = tiny("t5")
+m, params = export.load_hf({path!r})
 with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-  params = jax.device_put(random_params(m), sharding.logical_to_sharding(models.logical_axes(m), mesh, rules))
-  tokens = decoding.generate(m, params, PROMPTS, max_new_tokens=NEW, method="beam")
+  params = jax.device_put(params, sharding.logical_to_sharding(models.logical_axes(m), mesh, rules))
+  tokens = decoding.generate(m, params, {prompts!r}, max_new_tokens={new}, method="beam")
 print("RESULT" + json.dumps(dict(tokens=tokens, embedding=list(params["shared"]["embedding"].sharding.spec))))
 """
 
@@ -248,11 +244,12 @@ def test_mesh_matches_single_device(t5):
   the rows and beams over data x fsdp, T5's beam search (encoder, cross-attention cache, beam reordering,
   top-k over the sharded vocabulary) gives the single-device tokens. One program: compiling for 8 devices
   is slow."""
-  script = MESH_SCRIPT.format(tests=str(REPO / "tests"))
+  m, p, hf = t5
+  script = MESH_SCRIPT.format(path=hf.name_or_path, prompts=PROMPTS, new=NEW)
   run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
                             "JAX_PLATFORMS": "cpu"})
   assert run.returncode == 0, run.stderr[-3000:]
   out = json.loads(run.stdout.split("RESULT")[-1])
   assert out["embedding"] == ["tensor", "fsdp"]
-  assert out["tokens"] == decoding.generate(*t5[:2], PROMPTS, max_new_tokens=NEW, method="beam")
+  assert out["tokens"] == decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, method="beam")

@@ -52,3 +52,16 @@ def test_fill_mask_cli(bert, shared_data):
   lines = run.stdout.strip().splitlines()
   assert lines[-2] == "Now is the [MASK] of our discontent" and lines[-1].startswith("  [MASK] 1: ")
   assert lines[-1].count("0.") >= 5
+
+
+def test_generate_cli_prints_the_greedy_continuation(shared_data, tmp_path):
+  config = load_config("clm", shared_data, total_steps=10, log_every=10, eval_every=0, checkpoint_every=10)
+  train.train(config, str(tmp_path))
+  want = inference.generate_text(config, str(tmp_path), ["ROMEO:"], max_new_tokens=6)
+  run = cli(*flags("clm", shared_data), f"--workdir={tmp_path}", "--mode=generate", "--prompt=ROMEO:",
+            "--max_new_tokens=6")
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert run.stdout.strip().splitlines()[-2:] == ["ROMEO:", f"  -> {want[0]}"]
+  run = cli(*flags("clm", shared_data), f"--workdir={tmp_path}", "--mode=generate", "--prompt=ROMEO:",
+            "--method=sample", "--top_p=0")
+  assert run.returncode == 1 and run.stderr.strip().startswith("error: sampling needs")
