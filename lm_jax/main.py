@@ -15,7 +15,8 @@ from lm_jax import config_lib  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "export", "summary", "generate", "fill_mask", "predict"],
+_MODE = flags.DEFINE_enum("mode", "train",
+                          ["train", "eval", "export", "summary", "generate", "fill_mask", "predict"],
                           "what to do (predict: task.test_split predictions of a fine-tuned model as a TSV)")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "--mode=generate: a prompt; --mode=fill_mask: a text with "
