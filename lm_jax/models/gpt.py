@@ -1,8 +1,11 @@
 """GPT-1 (Radford et al. 2018; openai/finetune-transformer-lm): post-LN causal decoder.
 
 Token + learned position embeddings, layers.PostLNBlock with a causal mask, LM head tied to the
-token embeddings, N(0, initializer_range) init. Packed rows: segment_ids keep documents apart and
-positions restart per document. Incremental decoding uses an explicit KV cache (init_cache/decode).
+token embeddings, N(0, initializer_range) init. A model config with num_labels > 0 adds a linear head
+'classifier' on the final hidden state of every position ('scores' (B,T,num_labels)): GPT-1's task head
+read at the extract token (paper §3.3), and the scalar reward / value head (num_labels = 1) of RLHF.
+Packed rows: segment_ids keep documents apart and positions restart per document. Incremental decoding
+uses an explicit KV cache (init_cache/decode).
 """
 from typing import Any
 
@@ -12,12 +15,13 @@ import jax.numpy as jnp
 
 from lm_jax.models import layers
 
-HEADS = ()
+HEADS = ("classifier",)
 
 
 class Model(nn.Module):
   """batch: input_ids (B,T), optional attention_mask (B,T), segment_ids (B,T) (0 = padding),
-  positions (B,T). -> logits (B,T,V) for the next token, hidden (B,T,D).
+  positions (B,T). -> logits (B,T,V) for the next token, hidden (B,T,D), and with cfg.num_labels > 0
+  scores (B,T,num_labels) float32.
 
   With `cache` (see init_cache) the tokens are appended at cache['index'] and attend to everything
   cached before them; positions default to index + arange(T); the output also has the new 'cache'.
@@ -55,9 +59,18 @@ class Model(nn.Module):
                                   cfg=cfg, deterministic=not train, kernel_init=init)(x, layer_cache, mask, index)
     logits = layers.constrain(embed.attend(x), ("batch", "length", "vocab")).astype(jnp.float32)
     out = {"logits": logits, "hidden": x}
+    if cfg.get("num_labels", 0):
+      out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
+                                   **kw)(x).astype(jnp.float32)
     if cache is not None:
       out["cache"] = {**layer_cache, "mask": key_mask, "index": index + length}
     return out
+
+
+def check_config(cfg) -> None:
+  n = cfg.get("num_labels", 0)
+  if not isinstance(n, int) or n < 0:
+    raise ValueError(f"model.num_labels must be a non-negative integer (0 = no task head), got {n!r}")
 
 
 def example_batch(cfg) -> dict:
