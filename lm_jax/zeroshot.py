@@ -188,15 +188,14 @@ def evaluate(model_cfg, params, tokenizer, heuristic: str, data: Split, *, cue: 
   score = lambda split: sentence_logprobs(model_cfg, params, tokenizer, [t[0] for t in split.texts],
                                           batch_size=batch_size)
   scores = score(data)
-  oracle = best_threshold(scores, data.labels)
-  out.update({f"oracle_{k}": v for k, v in threshold_metrics(scores, data.labels, oracle).items()},
-             oracle_threshold=oracle)
   if chosen_on is not None:
     threshold = best_threshold(score(chosen_on), chosen_on.labels)
     out["threshold_split"] = chosen_on.name
   if threshold is not None:
     out.update(threshold=float(threshold), **threshold_metrics(scores, data.labels, threshold))
-  return out
+  oracle = best_threshold(scores, data.labels)
+  return {**out, "oracle_threshold": oracle,
+          **{f"oracle_{k}": v for k, v in threshold_metrics(scores, data.labels, oracle).items()}}
 
 
 def _family(config) -> str:

@@ -126,7 +126,8 @@ def test_acceptability_thresholds_the_mean_log_probability(gpt, shared_data):
     assert mcc(s, y, best) == pytest.approx(max(mcc(s, y, t) for t in cuts)) and mcc(s, y, best) > 0
   fixed = float(np.median(scores))
   at_fixed = zeroshot.evaluate(m, params, tok, "acceptability", data, threshold=fixed, batch_size=8)
-  assert at_fixed["threshold"] == fixed and at_fixed["accuracy"] == pytest.approx(np.mean((scores > fixed) == data.labels))
+  assert at_fixed["threshold"] == fixed
+  assert at_fixed["accuracy"] == pytest.approx(np.mean((scores > fixed) == data.labels))
   assert at_fixed["matthews"] == pytest.approx(mcc(scores, data.labels, fixed))
   oracle = zeroshot.best_threshold(scores, data.labels)
   assert at_fixed["oracle_threshold"] == pytest.approx(oracle, abs=1e-5)
