@@ -1,9 +1,11 @@
 """lm_jax.zeroshot (GPT-1 §5's zero-shot heuristics) on a tiny random GPT: each heuristic's scores against
 log-probabilities computed by hand from models.apply (numpy log-softmax at the scored positions), the accuracy and
 thresholds that follow from them, and one --mode=zeroshot run on a Hugging Face export of the same model."""
+import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from conftest import cli
 from lm_jax import config_lib, defaults, models, zeroshot
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import export
+from lm_jax.models import layers
 
 metrics = pytest.importorskip("sklearn.metrics")
 
@@ -38,14 +41,21 @@ def task_config(shared_data, **task):
                                                   **{f"task.{k}": v for k, v in (SST2 | task).items()}})
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(cfg, params, ids):
+  return models.apply(cfg, params, {"input_ids": ids, "attention_mask": jnp.ones_like(ids)})["logits"]
+
+
 def hand_logprobs(m, params, seqs) -> list:
-  """Per sequence, log P(token j | tokens < j) for j = 1..len-1: one unmasked forward pass of the padded batch
-  without the last tokens (causal, so the padding after a row changes nothing in it), float64 log-softmax in
-  numpy."""
-  width = max(map(len, seqs)) - 1
-  ids = np.array([s[:-1] + [0] * (width + 1 - len(s)) for s in seqs], np.int32)
-  logits = np.asarray(models.apply(m, params, {"input_ids": ids, "attention_mask": np.ones_like(ids)})["logits"],
-                      np.float64)
+  """Per sequence, log P(token j | tokens < j) for j = 1..len-1: one unmasked forward pass of the sequences without
+  their last token, padded on the right to one shape for every test (causal: the padding after a row changes
+  nothing in it), then a float64 log-softmax in numpy."""
+  rows = 32
+  assert len(seqs) <= rows and max(map(len, seqs)) <= POSITIONS + 1
+  ids = np.zeros((rows, POSITIONS), np.int32)
+  for i, s in enumerate(seqs):
+    ids[i, :len(s) - 1] = s[:-1]
+  logits = np.asarray(_logits(layers.frozen(m), params, ids), np.float64)
   logp = logits - logits.max(-1, keepdims=True)
   logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
   return [logp[i, np.arange(len(s) - 1), s[1:]] for i, s in enumerate(seqs)]
