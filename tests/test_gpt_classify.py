@@ -2,12 +2,11 @@
 random model, multiple-choice probabilities, the start / delimiter / extract rows appended to a pre-trained
 embedding, multiple-choice task records, and a short fine-tune of a tiny pre-trained GPT on the offline SST-2."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, defaults, finetune, metrics_log, models, objectives, train
-from lm_jax.data import tasks
+from lm_jax import checkpoint, config_lib, defaults, finetune, metrics_log, models, objectives, optim, step, train
+from lm_jax.data import tasks, tokenizer as tokenizer_lib
 from lm_jax.objectives import gpt_classify
 
 V = 40                      # the "pre-trained" vocabulary; the specials are 40, 41, 42
@@ -40,6 +39,13 @@ CASES = {
 }
 
 
+def _random_params(model_cfg, seed, std=0.2):
+  """Random params of model_cfg's shapes, without compiling its init (LayerNorm scales around 1)."""
+  rng = np.random.default_rng(seed)
+  draw = lambda path, x: (rng.normal(0, std, x.shape) + (path[-1].key == "scale")).astype(np.float32)
+  return jax.tree_util.tree_map_with_path(draw, models.abstract_params(model_cfg))
+
+
 def _batch(config, segments, label):
   """The example, a second one without its label, and a padding row."""
   examples = [tasks.Example(segments, label, 0), tasks.Example(segments, None, 1)]
@@ -54,13 +60,16 @@ def _log_softmax(x):
 
 
 def _hand(config, params, rows, label):
-  """(CE of the classifier at the extract token, mean over rows of the row's mean next-token loss, task logits),
-  each row run alone, unpadded."""
+  """(CE of the classifier at the extract token, mean over rows of the row's mean next-token loss, task logits)
+  from a direct models.apply on the rows (zeros after them: causal, so they cannot matter)."""
+  ids = np.zeros((len(rows), SEQ), np.int32)
+  for i, row in enumerate(rows):
+    ids[i, :len(row)] = row
+  out = jax.jit(lambda p, x: models.apply(config.model, p, {"input_ids": x}))(params, ids)
   states, lm = [], []
-  for row in rows:
-    out = models.apply(config.model, params, {"input_ids": jnp.asarray([row], jnp.int32)})
-    states.append(np.asarray(out["hidden"][0, -1], np.float64))                     # the extract token's state
-    logp = _log_softmax(out["logits"][0, :-1])
+  for i, row in enumerate(rows):
+    states.append(np.asarray(out["hidden"][i, len(row) - 1], np.float64))          # the extract token's state
+    logp = _log_softmax(out["logits"][i, :len(row) - 1])
     lm.append(-np.mean(logp[np.arange(len(row) - 1), row[1:]]))
   kernel, bias = (np.asarray(params["classifier"][k], np.float64) for k in ("kernel", "bias"))
   if config.task.format == "multiple_choice":
@@ -79,17 +88,18 @@ def test_loss_is_the_hand_computation(fmt):
   assert [list(r[:len(want)]) for r, want in zip(batch["input_ids"][0], rows)] == rows
   assert batch["attention_mask"][0].sum(-1).tolist() == [len(r) for r in rows] and not batch["attention_mask"][2].any()
   assert batch["weights"].tolist() == [1, 0, 0] and batch["index"].tolist() == [0, 1, -1]
-  params = models.init(config.model, jax.random.key(1))
-  params["classifier"]["bias"] = params["classifier"]["bias"] + jnp.arange(config.model.num_labels) * 0.3
+  params = _random_params(config.model, 1)
   objective = objectives.get("gpt_classify")
-  batch = jax.tree.map(jnp.asarray, batch)
-  total, metrics = objective.loss(config, params, batch, objective.denominators(batch))
+
+  def run(params, batch):
+    total, metrics = objective.loss(config, params, batch, objective.denominators(batch))
+    return (total, metrics, objective.predict(config, params, batch)["prediction"],
+            gpt_classify.probabilities(config, params, batch))
+  total, metrics, prediction, probs = jax.device_get(jax.jit(run)(params, batch))
   ce, lm, logits = _hand(config, params, rows, label)
   np.testing.assert_allclose([metrics["clf_loss"], metrics["lm_loss"]], [ce, lm], rtol=1e-5)
   np.testing.assert_allclose(total, ce + 0.5 * lm, rtol=1e-5)
-  prediction = objective.predict(config, params, batch)["prediction"]
-  assert int(prediction[0]) == int(np.argmax(logits)) and float(metrics["accuracy"]) == float(np.argmax(logits) == label)
-  probs = np.asarray(gpt_classify.probabilities(config, params, batch))
+  assert prediction[0] == np.argmax(logits) and metrics["accuracy"] == (np.argmax(logits) == label)
   np.testing.assert_allclose(probs[0], np.exp(_log_softmax(logits)), rtol=1e-5)
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-6)    # multiple choice: over the K answers
   assert probs.shape == (3, 3 if fmt == "multiple_choice" else config.model.num_labels)
@@ -100,8 +110,7 @@ def test_embedding_extension_keeps_pretrained_rows_and_seeds_the_new_ones():
   config.init_from = "pretrained"
   pre_model = config.model.copy_and_resolve_references()
   pre_model.vocab_size, pre_model.num_labels = V, 0
-  pretrained = models.init(pre_model, jax.random.key(3))
-  fresh = models.init(config.model, jax.random.key(4))
+  pretrained, fresh = _random_params(pre_model, 3), _random_params(config.model, 4)
   params, report = finetune.initial_params(config, fresh, pretrained)
   table = np.asarray(params["word_embeddings"]["embedding"])
   assert table.shape == (V + 3, 16)
@@ -137,20 +146,25 @@ def test_multiple_choice_records_and_config_errors(tmp_path):
 # --------------------------------------------------------------------------------- a tiny GPT, then fine-tuned
 @pytest.fixture(scope="module")
 def finetuned(shared_data, tmp_path_factory):
-  """A 1-layer GPT 'pre-trained' for 2 steps on 300 SST-2 sentences (a quick tokenizer), then fine-tuned on SST-2
-  with configs/finetune/gpt1.py:tiny."""
+  """A random 1-layer GPT saved as a run's workdir (its tokenizer trained on 300 SST-2 sentences, no train step to
+  compile), then fine-tuned on SST-2 with configs/finetune/gpt1.py:tiny."""
   root = tmp_path_factory.mktemp("gpt1")
   lines = (shared_data / "sst2" / "train.tsv").read_text().splitlines()[:300]
   (root / "text.txt").write_text("\n\n".join(l.split("\t")[0] for l in lines))
   pre = config_lib.load("configs/gpt1.py:tiny", {
-      "data.files": str(root / "text.txt"), "data.train_split": "train", "data.eval_split": "train",
-      "model.vocab_size": 128, "model.d_model": 32, "model.num_heads": 2, "model.d_ff": 128, "model.num_layers": 1,
-      "data.seq_len": 32, "batch_size": 8, "total_steps": 2, "eval_every": 0, "checkpoint_every": 2})
-  train.train(pre, str(root / "pre"))
+      "data.files": str(root / "text.txt"), "model.vocab_size": 128, "model.d_model": 32, "model.num_heads": 2,
+      "model.d_ff": 128, "model.num_layers": 1})
+  tokenizer_lib.load_or_train(pre, str(root / "pre"))
+  tx, _ = optim.make(pre, models.logical_axes(pre.model))
+  mngr = checkpoint.manager(str(root / "pre"), 1)
+  checkpoint.save(mngr, 1, step.init_state(_random_params(pre.model, 5, std=0.02), tx), {}, pre)
+  checkpoint.finish(mngr)
+  mngr.close()
   config = config_lib.load("configs/finetune/gpt1.py:tiny", {
       "init_from": str(root / "pre"), "task.files": str(shared_data / "sst2" / "{split}.tsv"),
       "data.train_split": "train[:480]", "data.eval_split": "dev[:40]", "data.seq_len": 32, "batch_size": 16,
-      "total_steps": 30, "log_every": 1, "eval_every": 30, "checkpoint_every": 30, "optimizer.lr": 3e-3})
+      "total_steps": 24, "log_every": 1, "eval_every": 24, "checkpoint_every": 24, "optimizer.lr": 3e-3,
+      "peak_tflops": 1.0})
   result = train.train(config, str(root / "ft"))
   return config, root, result
 
@@ -165,6 +179,6 @@ def test_finetune_a_tiny_gpt_on_sst2(finetuned):
   assert result["state"]["params"]["word_embeddings"]["embedding"].shape == (131, 32)
   recs = metrics_log.read(str(root / "ft" / "metrics.jsonl"))
   losses = [r["loss"] for r in recs if "loss" in r]
-  assert len(losses) == 30 and np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05, losses
+  assert len(losses) == 24 and np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05, losses
   final = [r for r in recs if "eval_accuracy" in r][-1]
   assert 0 <= final["eval_accuracy"] <= 1 and {"eval_lm_loss", "eval_clf_loss", "eval_f1"} <= set(final)
