@@ -116,7 +116,8 @@ def test_embedding_extension_keeps_pretrained_rows_and_seeds_the_new_ones():
   assert table.shape == (V + 3, 16)
   np.testing.assert_array_equal(table[:V], pretrained["word_embeddings"]["embedding"])
   np.testing.assert_array_equal(table[V:], np.asarray(fresh["word_embeddings"]["embedding"])[V:])
-  np.testing.assert_array_equal(params["position_embeddings"]["embedding"], pretrained["position_embeddings"]["embedding"])
+  positions = lambda tree: np.asarray(tree["position_embeddings"]["embedding"])
+  np.testing.assert_array_equal(positions(params), positions(pretrained))
   assert f"word_embeddings/embedding: {V} pre-trained rows + 3 fresh" in report and "fresh init: classifier" in report
 
 
@@ -141,6 +142,17 @@ def test_multiple_choice_records_and_config_errors(tmp_path):
   assert "config.task.format='pairs' unknown" in error(**{"task.format": "pairs"})
   assert "num_labels == 1" in error(**{"task.format": "multiple_choice", "task.choice_fields": ("a", "b")})
   assert "needs 2 field(s)" in error(**{"task.format": "entailment"})
+
+
+def test_recipe_is_the_papers():
+  c = config_lib.load("configs/finetune/gpt1.py:mnli")
+  o = c.optimizer
+  assert (c.objective, c.task.format, c.task.text_fields, c.model.num_labels) == (
+      "gpt_classify", "entailment", ("premise", "hypothesis"), 3)
+  assert (o.name, o.lr, o.weight_decay, o.schedule, c.batch_size, c.task.lm_coef, c.model.dropout_rate) == (
+      "adam_l2", 6.25e-5, 0.01, "linear", 32, 0.5, 0.1)
+  assert c.total_steps == -(-3 * 392_702 // 32) and o.warmup_steps == round(0.002 * c.total_steps)
+  assert config_lib.load("configs/finetune/gpt1.py:qqp").task.format == "similarity"
 
 
 # --------------------------------------------------------------------------------- a tiny GPT, then fine-tuned

@@ -10,10 +10,10 @@ embedding rows keep the seeded init; the tokenizer never produces them):
                    (model.num_labels = 1), a softmax over the answers
 Each row is truncated to data.seq_len (the longer text first), padding masked. The model's 'classifier' (a linear
 layer, model.num_labels outputs) reads the final hidden state at the extract token after dropout (model.dropout_rate,
-the paper's 0.1 for both). loss = CE(classifier) + task.lm_coef * LM loss, the LM loss being the mean next-token
-loss over the real tokens of each row (start token excluded as a target, extract included), averaged over rows,
-as in the paper's code; lm_coef 0.5 in the paper. Eval metrics: accuracy, and F1 / Matthews over the whole eval set
-(predict).
+the paper's 0.1 for both). loss = CE(classifier) + task.lm_coef * LM loss, averaged over the labelled examples; the
+LM loss is the mean next-token loss over the real tokens of each row (the start token is no target, the extract
+token is), averaged over the example's rows, as in the paper's code; lm_coef 0.5 in the paper. Eval metrics:
+accuracy, clf_loss, lm_loss, and F1 / Matthews over the whole eval set (predict). Walk-through: docs/finetune.md.
 """
 import jax
 import jax.numpy as jnp
@@ -91,7 +91,7 @@ def _row(texts, specials) -> np.ndarray:
   return np.concatenate(pieces + [[extract]]).astype(np.int32)
 
 
-def transform(segments, fmt: str, seq_len: int, specials) -> list:
+def input_transformation(segments, fmt: str, seq_len: int, specials) -> list:
   """The unpadded model rows (int32 token arrays) of one example's segments under input transformation `fmt`."""
   if fmt == "multiple_choice":
     context, *answers = segments
@@ -107,7 +107,7 @@ def assemble_rows(examples, n, *, fmt, seq_len, rows, specials, pad_id) -> dict:
   mask, extract = np.zeros_like(ids), np.zeros((n, rows), np.int32)
   labels, weights, index = np.zeros(n, np.int32), np.zeros(n, np.float32), np.full(n, -1, np.int32)
   for r, ex in enumerate(examples):
-    for k, row in enumerate(transform(ex.segments, fmt, seq_len, specials)):
+    for k, row in enumerate(input_transformation(ex.segments, fmt, seq_len, specials)):
       ids[r, k, :len(row)], mask[r, k, :len(row)], extract[r, k] = row, 1, len(row) - 1
     index[r] = ex.index
     if ex.label is not None:
@@ -125,11 +125,11 @@ def row_layout(config, tokenizer):
   return rows.PerDocument(
       width=n_rows * seq_len, instances=lambda example, rng, other_doc: [example],
       assemble=lambda examples: build(examples, len(examples)),
-      real_tokens=lambda ex: sum(map(len, transform(ex.segments, fmt, seq_len, specials))),
+      real_tokens=lambda ex: sum(map(len, input_transformation(ex.segments, fmt, seq_len, specials))),
       corpus=lambda split: tasks.examples(config, split, tokenizer), padding=lambda n: build([], n))
 
 
-def batch_transform(config, tokenizer):
+def transform(config, tokenizer):
   del config, tokenizer
   return lambda batch_rows, rng: batch_rows
 
@@ -191,5 +191,5 @@ def predict(config, params, batch):
 
 
 OBJECTIVE = Objective(name="gpt_classify", families=("gpt",), check=check, lengths=lengths, rows=row_layout,
-                      transform=batch_transform, features=features, denominators=denominators, loss=loss,
+                      transform=transform, features=features, denominators=denominators, loss=loss,
                       predict=predict, added_tokens=ADDED_TOKENS)
