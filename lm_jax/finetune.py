@@ -27,6 +27,7 @@ import re
 import string
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
@@ -169,9 +170,12 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
   new, old = _paths(fresh), _paths(pretrained)
   taken = {p for p, leaf in new.items() if p in old and np.shape(old[p]) == np.shape(leaf)}
   grown = {p for p, leaf in new.items() if p in old and p[-1] == "embedding" and _extends(old[p], leaf)}
-  params = _unflatten({p: old[p] if p in taken else
-                       np.concatenate([np.asarray(old[p]), np.asarray(leaf)[len(old[p]):]]) if p in grown else leaf
-                       for p, leaf in new.items()})
+
+  def start(p, leaf):
+    if p in grown:
+      return jnp.concatenate([old[p], leaf[len(old[p]):]])   # on the devices: arrays may span hosts
+    return old[p] if p in taken else leaf
+  params = _unflatten({p: start(p, leaf) for p, leaf in new.items()})
   top = config.finetune.reinit_top_layers
   params = _reinit_top(params, fresh, top)
   names = lambda paths: ", ".join(sorted({p[0] for p in paths})) or "none"
