@@ -67,6 +67,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.label_field = "label"
   c.task.label_names = ()         # labels as written in the data, in class order; () = class numbers
   c.task.test_split = "test"      # --mode=predict writes predictions for it (train / eval: data.*_split)
+  c.task.choice_fields = ()       # multiple choice: the K answer fields (text_fields: the one context field)
+  c.task.format = "classify"      # gpt_classify's GPT-1 input transformation: classify, entailment, similarity,
+                                  # multiple_choice
+  c.task.lm_coef = 0.5            # gpt_classify: weight of the auxiliary LM loss (GPT-1 §3.2 lambda)
 
   c.finetune = ml_collections.ConfigDict()   # what trains when starting from init_from (lm_jax/finetune.py)
   c.finetune.freeze = ()          # regexes over parameter paths, e.g. ("embeddings", "layers_[0-9]/")

@@ -16,14 +16,16 @@ specific to it, so no other module branches on its name:
   predict          (optional) (config, params, batch) -> per-example {prediction, label, weight, index}: the eval
                    adds metrics over the whole eval set's predictions (F1, Matthews, Pearson / Spearman;
                    lm_jax.evaluate.prediction_metrics) and --mode=predict writes them
+  added_tokens     (optional) special tokens it appends to the pre-trained vocabulary as new embedding rows
+                   (finetune.resolve): ids vocab_size - added_tokens .. vocab_size - 1, unknown to the tokenizer
 
 A test (or a user's script) can register its own objective with `register` and train it through the
 unchanged trainer.
 """
-from lm_jax.objectives import classify, clm, mlm, span_corruption
+from lm_jax.objectives import classify, clm, gpt_classify, mlm, span_corruption
 from lm_jax.objectives.registry import Lengths, Objective, get, names, register
 
-for _module in (mlm, clm, span_corruption, classify):
+for _module in (mlm, clm, span_corruption, classify, gpt_classify):
   register(_module.OBJECTIVE)
 
 
