@@ -67,6 +67,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.label_field = "label"
   c.task.label_names = ()         # labels as written in the data, in class order; () = class numbers
   c.task.test_split = "test"      # --mode=predict writes predictions for it (train / eval: data.*_split)
+  c.task.prefix = ""              # text_to_text: the task prefix of every input, e.g. "sst2" -> "sst2 sentence: ..."
+  c.task.field_names = ()         # text_to_text: the name written before each text; () = text_fields
 
   c.finetune = ml_collections.ConfigDict()   # what trains when starting from init_from (lm_jax/finetune.py)
   c.finetune.freeze = ()          # regexes over parameter paths, e.g. ("embeddings", "layers_[0-9]/")
