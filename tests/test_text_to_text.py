@@ -17,6 +17,7 @@ from lm_jax.objectives import text_to_text
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree")
 KEY = "sun"                    # the synthetic task: "find words: <4 words>" -> positive if KEY is among them
 LABELS = ("negative", "positive")
+DECODER_KEYS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
 
 
 def _synthetic(path):
@@ -45,8 +46,8 @@ def tiny_config(data_dir, **overrides):
   values = {"task.files": str(data_dir / "{split}.tsv"), "data.files": str(data_dir / "text.txt"),
             "task.text_fields": ("words",), "task.field_names": ("words",), "task.label_field": "label",
             "task.prefix": "find", "model.vocab_size": 164, "model.d_model": 32, "model.num_heads": 2,
-            "model.head_dim": 16, "model.d_ff": 64, "model.num_layers": 1, "data.seq_len": 16,
-            "data.target_len": 4, "batch_size": 32, "data.eval_batches": 0}
+            "model.head_dim": 16, "model.d_ff": 64, "model.num_layers": 1, "data.seq_len": 24,
+            "data.target_len": 6, "batch_size": 32, "data.eval_batches": 0}
   return config_lib.load("configs/finetune/t5.py:tiny", {**values, **overrides})
 
 
@@ -103,27 +104,29 @@ def test_loss_and_choice_match_a_hand_computation(data, tokenizer_path):
   params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.key(4), p.shape), params)  # non-uniform
 
   den = {k: float(v) for k, v in objective.denominators(batch).items()}
-  total, metrics = objective.loss(c, params, batch, objective.denominators(batch), train=False)
-  logits = np.asarray(models.apply(c.model, params, {k: batch[k] for k in (
-      "input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")})["logits"], np.float64)
-  targets, w = batch["decoder_target_ids"], batch["weights"]
+  eval_out = jax.jit(lambda p, b: (objective.loss(c, p, b, objective.denominators(b), train=False)[1],
+                                   objective.predict(c, p, b), text_to_text.choice_logprobs(c, p, b),
+                                   models.apply(c.model, p, {k: b[k] for k in DECODER_KEYS})["logits"]))
+  metrics, predicted, ours, logits = jax.device_get(eval_out(params, batch))
+  targets, w, logits = batch["decoder_target_ids"], batch["weights"], logits.astype(np.float64)
   nll = -np.take_along_axis(special.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
   right = logits.argmax(-1) == targets
   assert den == {"tokens": w.sum(), "examples": 8.0}
-  assert float(total) == pytest.approx((nll * w).sum() / w.sum(), rel=1e-5)
-  assert float(metrics["token_accuracy"]) == pytest.approx((right * w).sum() / w.sum())
-  assert float(metrics["exact_match"]) == pytest.approx(np.all(right | (w == 0), axis=1).mean())
+  assert metrics["loss"] == pytest.approx((nll * w).sum() / w.sum(), rel=1e-5)
+  assert metrics["token_loss"] == pytest.approx((nll * w).sum() / w.sum(), rel=1e-5)
+  assert metrics["token_accuracy"] == pytest.approx((right * w).sum() / w.sum())
+  assert metrics["exact_match"] == pytest.approx(np.all(right | (w == 0), axis=1).mean())
 
   contexts = [row[row != tok.pad_id].tolist() for row in batch["input_ids"]]
   words = [row[row != tok.pad_id].tolist() for row in batch["choice_ids"][0]]
-  scores = np.stack([decoding.score(c.model, params, contexts, [word] * len(contexts))[0] for word in words], 1)
-  ours = np.asarray(text_to_text.choice_logprobs(c, params, batch))
+  scores = decoding.score(c.model, params, contexts * len(words), [word for word in words for _ in contexts])[0]
+  scores = scores.reshape(len(words), len(contexts)).T
   np.testing.assert_allclose(ours, scores, rtol=1e-5, atol=1e-4)
-  predicted = objective.predict(c, params, batch)
   np.testing.assert_array_equal(predicted["prediction"], scores.argmax(1))
-  assert float(metrics["accuracy"]) == pytest.approx((scores.argmax(1) == batch["labels"]).mean())
-  assert "accuracy" not in objective.loss(c, params, batch, objective.denominators(batch), train=True,
-                                          rng=jax.random.key(0))[1]
+  assert metrics["accuracy"] == pytest.approx((scores.argmax(1) == batch["labels"]).mean())
+  train_metrics = jax.eval_shape(lambda p, b: objective.loss(c, p, b, objective.denominators(b), train=True,
+                                                             rng=jax.random.key(0))[1], params, batch)
+  assert set(train_metrics) == {"loss", "token_loss", "token_accuracy", "exact_match"}   # no choice at training
 
 
 def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
