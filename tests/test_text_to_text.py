@@ -47,7 +47,7 @@ def tiny_config(data_dir, **overrides):
             "task.text_fields": ("words",), "task.field_names": ("words",), "task.label_field": "label",
             "task.prefix": "find", "model.vocab_size": 164, "model.d_model": 32, "model.num_heads": 2,
             "model.head_dim": 16, "model.d_ff": 64, "model.num_layers": 1, "data.seq_len": 24,
-            "data.target_len": 6, "batch_size": 32, "data.eval_batches": 0}
+            "data.target_len": 6, "batch_size": 32, "data.eval_batches": 0, "peak_tflops": 1.0}
   return config_lib.load("configs/finetune/t5.py:tiny", {**values, **overrides})
 
 
@@ -130,15 +130,13 @@ def test_loss_and_choice_match_a_hand_computation(data, tokenizer_path):
 
 
 def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
-  """From scratch: eval accuracy (label-word choice) and exact match >= 95% on held-out inputs, --mode=predict
-  writes the label words, and greedy decoding of the free-form variant writes them too."""
+  """From scratch, 40 steps: on held-out inputs --mode=predict writes the right label words (>= 95%) with accuracy
+  and exact match >= 95% (the eval step's metrics), and greedy decoding of the free-form variant writes them too."""
   path, splits = data
-  c = tiny_config(path, **{"data.tokenizer": tokenizer_path, "total_steps": 120, "eval_every": 120,
-                           "checkpoint_every": 120, "log_every": 40, "optimizer.lr": 1e-2})
+  c = tiny_config(path, **{"data.tokenizer": tokenizer_path, "total_steps": 40, "eval_every": 0,
+                           "checkpoint_every": 40, "log_every": 20, "optimizer.lr": 1e-2, "finetune.best_metric": ""})
   result = train.train(c, str(tmp_path))
-  ev = result["eval"]
-  assert ev["eval_accuracy"] >= 0.95 and ev["eval_exact_match"] >= 0.95, ev
-  assert ev["eval_f1"] >= 0.9, ev
+  assert result["train"]["loss"] < 0.5, result["train"]
 
   out, metrics = finetune.predict(c, str(tmp_path))
   with open(out) as f:
@@ -146,7 +144,7 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
   truth = [LABELS[KEY in x.split()] for x in splits["test"]]
   assert [int(r["index"]) for r in written] == list(range(len(truth)))
   assert np.mean([r["prediction"] == t for r, t in zip(written, truth)]) >= 0.95
-  assert metrics["test_accuracy"] >= 0.95
+  assert metrics["test_accuracy"] >= 0.95 and metrics["test_exact_match"] >= 0.95 and metrics["test_f1"] >= 0.9, metrics
 
   free = tiny_config(path, **{"data.tokenizer": tokenizer_path, "task.label_names": (), "model.num_labels": 0})
   tok = tokenizer_lib.load(tokenizer_path, "t5")

@@ -61,13 +61,14 @@ def get_config(arg="sst2"):
     return c
 
   sst2_files = os.path.join(os.environ.get("LM_JAX_DATA", "data"), "sst2", "{split}.tsv")
-  c.task.files = sst2_files             # sentence<TAB>label (0 / 1), no header
-  c.task.text_fields, c.task.label_field = ("0",), "1"
-  c.data.train_split, c.data.eval_split, c.task.test_split = "train", "dev", "test"
   if arg == "tiny":   # from scratch: a SentencePiece tokenizer trained on the task's text (data.files)
     defaults.tiny(c)
     m.head_dim = 32
     c.data.tfds_name, c.data.files = "", sst2_files
+  c.task.files = sst2_files             # sentence<TAB>label (0 / 1), no header
+  c.task.text_fields, c.task.label_field = ("0",), "1"
+  c.data.train_split, c.data.eval_split, c.task.test_split = "train", "dev", "test"
+  if arg == "tiny":
     c.data.seq_len, c.data.target_len, c.data.eval_batches = 64, 8, 0
     c.total_steps = 216                 # one epoch of the 6,920 training sentences
     c.optimizer.warmup_steps = 0

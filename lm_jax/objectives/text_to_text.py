@@ -264,4 +264,5 @@ def generate_texts(config, params, tokenizer, split: str, *, batch_size: int = 3
 
 OBJECTIVE = Objective(name="text_to_text", families=("t5",), check=check, lengths=lengths, rows=row_layout,
                       transform=transform, features=features, denominators=denominators, loss=loss, predict=predict,
-                      metric_denominators={"exact_match": "examples", "accuracy": "examples"})
+                      metric_denominators={"loss": "tokens", "token_loss": "tokens", "token_accuracy": "tokens",
+                                           "exact_match": "examples", "accuracy": "examples"})
