@@ -150,3 +150,19 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
   tok = tokenizer_lib.load(tokenizer_path, "t5")
   got = text_to_text.generate_texts(free, jax.device_get(result["state"]["params"]), tok, "test")
   assert got["target"] == truth and got["exact_match"] >= 0.95, got
+
+
+@pytest.mark.parametrize("variant", ["cola", "sst2", "stsb", "mnli", "rte", "tiny"])
+def test_recipes_are_the_papers_and_check(variant):
+  """T5's fine-tuning: Adafactor at a constant 1e-3, batch 128 x 512 with targets of 128; T5's task inputs."""
+  c = config_lib.load(f"configs/finetune/t5.py:{variant}")
+  objectives.check(c)
+  finetune.check(c)
+  assert (c.optimizer.name, c.optimizer.schedule, c.optimizer.lr) == ("adafactor", "constant", 1e-3)
+  if variant != "tiny":
+    assert (c.batch_size, c.data.seq_len, c.data.target_len) == (128, 512, 128)
+  prefix = "sst2" if variant == "tiny" else variant
+  first = {"mnli": "hypothesis", "stsb": "sentence1", "rte": "sentence1"}.get(variant, "sentence")
+  assert text_to_text.input_text(c, ("a", "b")[:len(c.task.text_fields)]).startswith(f"{prefix} {first}: a")
+  assert text_to_text.target_text(c, 2.5 if variant == "stsb" else 0) == {
+      "cola": "unacceptable", "stsb": "2.4", "mnli": "entailment", "rte": "entailment"}.get(variant, "negative")
