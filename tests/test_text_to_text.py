@@ -21,17 +21,18 @@ DECODER_KEYS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_att
 
 
 def _synthetic(path):
-  """train / dev / test .tsv (words<TAB>label) of distinct 4-word inputs, and a .txt of their text."""
+  """train / test .tsv (words<TAB>label) of distinct 4-word inputs, and a .txt of their text."""
   rng = random.Random(0)
   inputs = sorted({" ".join(rng.choice(WORDS) for _ in range(4)) for _ in range(3000)})
   rng.shuffle(inputs)
-  splits = {"train": inputs[:1200], "dev": inputs[1200:1296], "test": inputs[1296:1360]}
+  splits = {"train": inputs[:1200], "test": inputs[1200:1264]}
   for split, rows in splits.items():
     with open(path / f"{split}.tsv", "w") as f:
       f.write("words\tlabel\n" + "".join(f"{x}\t{LABELS[KEY in x.split()]}\n" for x in rows))
   extra = "mnli hypothesis: the cat sat premise: a dog ran entailment neutral contradiction " + " ".join(
       text_to_text.STSB_VALUES)   # for the rows test
-  (path / "text.txt").write_text("\n\n".join([extra] * 200 + [f"find words: {x}\n{LABELS[KEY in x.split()]}" for x in inputs]))
+  docs = [extra] * 200 + [f"find words: {x}\n{LABELS[KEY in x.split()]}" for x in inputs]
+  (path / "text.txt").write_text("\n\n".join(docs))
   return splits
 
 
