@@ -71,6 +71,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.format = "classify"      # gpt_classify's GPT-1 input transformation: classify, entailment, similarity,
                                   # multiple_choice
   c.task.lm_coef = 0.5            # gpt_classify: weight of the auxiliary LM loss (GPT-1 §3.2 lambda)
+  c.task.prefix = ""              # text_to_text: the task prefix of every input, e.g. "sst2" -> "sst2 sentence: ..."
+  c.task.field_names = ()         # text_to_text: the name written before each text; () = text_fields
 
   c.finetune = ml_collections.ConfigDict()   # what trains when starting from init_from (lm_jax/finetune.py)
   c.finetune.freeze = ()          # regexes over parameter paths, e.g. ("embeddings", "layers_[0-9]/")

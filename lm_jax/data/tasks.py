@@ -5,8 +5,9 @@ config.task picks the source: `files`, a glob of .tsv / .jsonl in which `{split}
 array_record data source as data.tfds_name). `text_fields` names one field, or two for sentence pairs;
 `label_field` the label. In a .tsv a header row naming the fields picks the columns; without a header the fields
 are column numbers (text_fields=("0",), label_field="1"). Labels are class numbers 0..num_labels-1, or with
-`label_names` those names as written in the data (e.g. entailment / neutral / contradiction); with
-model.num_labels = 1 they are regression targets (STS-B). Multiple choice: `choice_fields` names the K answers,
+`label_names` also those names as written in the data (e.g. entailment / neutral / contradiction); with
+model.num_labels = 1 they are regression targets (STS-B); with model.num_labels = 0 they are text, kept as written
+(the free-form targets of T5's text-to-text tasks). Multiple choice: `choice_fields` names the K answers,
 text_fields the one context; the label is the index of the right answer (Example.segments: context, answers).
 Splits take TFDS slice syntax (train[:10%]).
 
@@ -29,7 +30,7 @@ from lm_jax.data import sources
 @dataclasses.dataclass(frozen=True)
 class Record:
   texts: tuple            # one or two strings; multiple choice: the context and the K answers
-  label: int | float | None
+  label: int | float | str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Example:
   """A tokenized record: segments (one int32 token array per text), label (None = unlabelled), its position in
   the split (for predictions)."""
   segments: tuple
-  label: int | float | None
+  label: int | float | str | None
   index: int
 
 
@@ -78,7 +79,8 @@ def records(config, split: str):
 
 
 class _Labels:
-  """Raw label -> class number, float target (num_labels == 1), None (missing) or sources.Bad."""
+  """Raw label -> class number, float target (num_labels == 1), text (num_labels == 0), None (missing) or
+  sources.Bad."""
 
   def __init__(self, names: tuple, num_labels: int, missing=None):
     self.names, self.num_labels, self.missing = names, num_labels, missing
@@ -91,8 +93,10 @@ class _Labels:
     if self.num_labels == 1:
       value = _number(raw, float)
       return value if value is not None and math.isfinite(value) else sources.Bad("malformed")
-    if isinstance(raw, str) and self.names:
-      return self.names.index(raw) if raw in self.names else sources.Bad("malformed")
+    if self.num_labels == 0:     # text targets (text_to_text): the label as written
+      return raw if isinstance(raw, str) else str(raw)
+    if isinstance(raw, str) and raw in self.names:
+      return self.names.index(raw)
     value = _number(raw, int)
     return value if value is not None and 0 <= value < self.num_labels else sources.Bad("malformed")
 
