@@ -20,10 +20,10 @@ specific to it, so no other module branches on its name:
 A test (or a user's script) can register its own objective with `register` and train it through the
 unchanged trainer.
 """
-from lm_jax.objectives import classify, clm, mlm, span_corruption
+from lm_jax.objectives import classify, clm, dpo, mlm, reward, sft, span_corruption
 from lm_jax.objectives.registry import Lengths, Objective, get, names, register
 
-for _module in (mlm, clm, span_corruption, classify):
+for _module in (mlm, clm, span_corruption, classify, sft, reward, dpo):
   register(_module.OBJECTIVE)
 
 
