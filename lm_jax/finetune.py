@@ -156,7 +156,7 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
   (the run's seeded init) elsewhere and in the top finetune.reinit_top_layers layers."""
   new, old = _paths(fresh), _paths(pretrained)
   if models.REFERENCE in fresh and models.REFERENCE not in pretrained:   # DPO's reference: the pre-trained model
-    old.update({(models.REFERENCE, *p): leaf for p, leaf in list(old.items())})
+    old.update({(models.REFERENCE, *p): jax.numpy.array(leaf, copy=True) for p, leaf in list(old.items())})
   taken = {p for p, leaf in new.items() if p in old and np.shape(old[p]) == np.shape(leaf)}
   params = _unflatten({p: old[p] if p in taken else leaf for p, leaf in new.items()})
   top = config.finetune.reinit_top_layers
