@@ -28,7 +28,7 @@ def toy(tmp_path_factory):
 
 
 def _config(stage, toy, **overrides):
-  kind = "sft" if stage == "sft" else "preference"
+  kind = "instruction" if stage == "sft" else "preference"
   values = {**MODEL, "rlhf.files": toy[kind], "data.tokenizer": toy["tokenizer"], "data.files": "",
             "data.seq_len": 48, "batch_size": 16, "log_every": 1000, "checkpoint_every": 1000}
   return config_lib.load(f"configs/rlhf/{stage}.py:tiny", {**values, **overrides})
@@ -46,12 +46,12 @@ def test_bad_records_are_counted_and_skipped(toy, tmp_path):
            '{"question": "reverse : d", "answer": "d"}']
   (tmp_path / "x_train.jsonl").write_text("\n".join(lines) + "\n")
   c = _config("sft", toy, **{"rlhf.files": str(tmp_path / "x_{split}.jsonl"), "rlhf.template": "write : {prompt}"})
-  good, found = _examples(c, toy["tok"], "train", "sft")
+  good, found = _examples(c, toy["tok"], "train", "instruction")
   assert found.stats == dict(documents=6, empty=1, malformed=4)
   assert len(good) == 1 and toy["tok"].decode(good[0].prompt) == "write : reverse : a"
   assert good[0].responses[0][-1] == toy["tok"].eos_id
   c = config_lib.override(c, {"rlhf.prompt_field": "question", "rlhf.response_field": "answer"})
-  assert len(_examples(c, toy["tok"], "train", "sft")[0]) == 1
+  assert len(_examples(c, toy["tok"], "train", "instruction")[0]) == 1
   with pytest.raises(ValueError, match="config.rlhf.template"):
     instructions.check(config_lib.override(c, {"rlhf.template": "no placeholder"}))
   assert instructions.fit(10, 3, 8) == (5, 3) and instructions.fit(10, 20, 8) == (1, 7)
@@ -59,7 +59,7 @@ def test_bad_records_are_counted_and_skipped(toy, tmp_path):
 
 def test_sft_rows_weight_exactly_the_response_and_keep_examples_apart(toy):
   c = _config("sft", toy)
-  examples, _ = _examples(c, toy["tok"], "train", "sft")
+  examples, _ = _examples(c, toy["tok"], "train", "instruction")
   examples = examples[:12]
   rows = sft.pack_causal(examples, 48, toy["tok"].pad_id)
   assert len(rows["input_ids"]) < len(examples)              # several examples per row
@@ -84,7 +84,7 @@ def tiny_gpt(toy):
 
 def test_sft_prompt_tokens_never_reach_loss_or_gradient(toy, tiny_gpt, monkeypatch):
   c, params = tiny_gpt
-  examples, _ = _examples(c, toy["tok"], "train", "sft")
+  examples, _ = _examples(c, toy["tok"], "train", "instruction")
   batch = {k: jnp.asarray(v) for k, v in sft.pack_causal(examples[:10], 48, toy["tok"].pad_id).items()}
   den = sft.denominators(batch)
   assert float(den["tokens"]) == sum(len(e.responses[0]) for e in examples[:10])
@@ -109,7 +109,7 @@ def test_sft_prompt_tokens_never_reach_loss_or_gradient(toy, tiny_gpt, monkeypat
 
 def test_sft_packed_rows_equal_examples_alone(toy, tiny_gpt):
   c, params = tiny_gpt
-  examples, _ = _examples(c, toy["tok"], "train", "sft")
+  examples, _ = _examples(c, toy["tok"], "train", "instruction")
   pad, one = toy["tok"].pad_id, {"tokens": jnp.float32(1)}
   packed = sft.pack_causal(examples[:2], 48, pad)
   assert len(packed["input_ids"]) == 1
@@ -120,11 +120,11 @@ def test_sft_packed_rows_equal_examples_alone(toy, tiny_gpt):
 
 def test_sft_t5_encodes_prompt_and_decodes_response(toy):
   c = config_lib.load("configs/t5.py:tiny", {
-      "objective": "sft", "rlhf.files": toy["sft"], "data.tokenizer": toy["tokenizer"], "data.seq_len": 16,
+      "objective": "sft", "rlhf.files": toy["instruction"], "data.tokenizer": toy["tokenizer"], "data.seq_len": 16,
       "data.target_len": 8, "model.vocab_size": 256, "model.d_model": 32, "model.num_layers": 1,
       "model.num_heads": 2, "model.d_ff": 64})
   tok = tokenizer_lib.load(toy["tokenizer"], "t5")
-  examples, _ = _examples(c, tok, "train", "sft")
+  examples, _ = _examples(c, tok, "train", "instruction")
   rows = sft.encoder_decoder(examples[:4], 16, 8, tok.pad_id, 0)
   for i, ex in enumerate(examples[:4]):
     n = len(ex.responses[0])
@@ -179,7 +179,7 @@ def sft_run(toy, tmp_path_factory):
 def test_sft_learns_the_instruction_task(toy, sft_run):
   c, workdir, result = sft_run
   tok = toy["tok"]
-  held_out = [json.loads(l) for l in open(toy["sft"].format(split="dev"))]
+  held_out = [json.loads(l) for l in open(toy["instruction"].format(split="dev"))]
   model_cfg = train.setup(c, workdir).config.model
   out = decoding.generate(model_cfg, result["state"]["params"], [tok.encode(r["prompt"]) for r in held_out],
                           max_new_tokens=8, eos_id=tok.eos_id, pad_id=tok.pad_id)
@@ -206,3 +206,14 @@ def test_dpo_from_sft_raises_the_held_out_margin(toy, sft_run):
   sft_params = train.restore_params(_config("sft", toy), sft_dir)[1]
   jax.tree.map(np.testing.assert_array_equal, reference, sft_params)   # frozen: still the SFT model
   assert not np.array_equal(policy["word_embeddings"]["embedding"], reference["word_embeddings"]["embedding"])
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo"])
+def test_configs_validate_and_name_the_field_at_fault(stage):
+  for variant in ("gpt1", "tiny", "sst2"):
+    c = config_lib.load(f"configs/rlhf/{stage}.py:{variant}", {"model.scan_layers": True, "rlhf.files": "x_{split}.jsonl"})
+    config_lib.validate(c, num_devices=8)
+  wrong = {"sft": {"rlhf.template": "nothing"}, "reward": {"model.num_labels": 0},
+           "dpo": {"model.frozen_reference": False}}[stage]
+  with pytest.raises(ValueError, match=next(iter(wrong))):
+    config_lib.validate(config_lib.load(f"configs/rlhf/{stage}.py:tiny", wrong), num_devices=1)

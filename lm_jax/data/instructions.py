@@ -2,7 +2,7 @@
 
 config.rlhf.files is a glob of .jsonl in which `{split}` becomes the split name (e.g. /data/toy/sft_{split}.jsonl),
 one JSON object per line:
-  sft          {"prompt": ..., "response": ...}
+  instruction  {"prompt": ..., "response": ...}
   preference   {"prompt": ..., "chosen": ..., "rejected": ...}   (the chosen response is the preferred one)
 The field names are config.rlhf.prompt_field / response_field / chosen_field / rejected_field; other fields are
 ignored (the toy files carry a "text" field to train a tokenizer from scratch with data.text_field="text"). A chat
@@ -23,7 +23,7 @@ import numpy as np
 from lm_jax.data import corpus as corpus_lib
 from lm_jax.data import rows, sources
 
-KINDS = {"sft": ("response_field",), "preference": ("chosen_field", "rejected_field")}
+KINDS = {"instruction": ("response_field",), "preference": ("chosen_field", "rejected_field")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class _InMemory(list):
 
 
 def records(config, split: str, kind: str) -> list:
-  """The records of `split` ('sft' or 'preference' kind): Record, or sources.Bad for an unusable line; .path."""
+  """The records of `split` ('instruction' or 'preference' kind): Record, or sources.Bad for an unusable line; .path."""
   r = config.rlhf
   fields = (r.prompt_field, *(r[f] for f in KINDS[kind]))
   name, spec = sources.split_spec(split)

@@ -105,7 +105,7 @@ def write_jsonl(path: str, records: list[dict]) -> str:
 
 def write_toy(out: str, *, train: int = 4000, dev: int = 200, tasks=TASKS, length=(3, 6), seed: int = 0) -> dict:
   """instructions_{train,dev}.jsonl (dev prompts unseen in train) and preferences_{train,dev}.jsonl in `out`;
-  returns their {split} globs {'sft': ..., 'preference': ...}."""
+  returns their {split} globs {'instruction': ..., 'preference': ...}."""
   held_out = instruction_records(dev, tasks=tasks, length=length, seed=seed + 1)
   write_jsonl(os.path.join(out, "instructions_dev.jsonl"), held_out)
   write_jsonl(os.path.join(out, "instructions_train.jsonl"),
@@ -113,7 +113,7 @@ def write_toy(out: str, *, train: int = 4000, dev: int = 200, tasks=TASKS, lengt
                                   exclude={r["prompt"] for r in held_out}))
   write_jsonl(os.path.join(out, "preferences_train.jsonl"), preference_records(train, seed=seed))
   write_jsonl(os.path.join(out, "preferences_dev.jsonl"), preference_records(dev, seed=seed + 1))
-  return {"sft": os.path.join(out, "instructions_{split}.jsonl"),
+  return {"instruction": os.path.join(out, "instructions_{split}.jsonl"),
           "preference": os.path.join(out, "preferences_{split}.jsonl")}
 
 
@@ -124,7 +124,7 @@ def write_sst2(sst2_dir: str, out: str, *, prompt_words: int = 1) -> dict:
     sft, pairs = sst2_records(os.path.join(sst2_dir, f"{split}.tsv"), prompt_words=prompt_words)
     write_jsonl(os.path.join(out, f"sst2_sft_{split}.jsonl"), sft)
     write_jsonl(os.path.join(out, f"sst2_preferences_{split}.jsonl"), pairs)
-  return {"sft": os.path.join(out, "sst2_sft_{split}.jsonl"),
+  return {"instruction": os.path.join(out, "sst2_sft_{split}.jsonl"),
           "preference": os.path.join(out, "sst2_preferences_{split}.jsonl")}
 
 

@@ -1,7 +1,7 @@
 """Supervised fine-tuning on (prompt, response) pairs (InstructGPT's first step, Ouyang et al. 2022 §3.5): the
 token loss on the response only, for the GPT and T5 families.
 
-Data: lm_jax/data/instructions.py ('sft' records of config.rlhf.files). GPT: each example is prompt + response +
+Data: lm_jax/data/instructions.py ('instruction' records of config.rlhf.files). GPT: each example is prompt + response +
 eos read as next-token prediction; only targets inside the response (and its eos) have weight 1, the prompt's have
 0. Examples are packed into rows in order (a new row when the next one does not fit) with segment ids and
 positions restarting per example, so no token attends across examples. T5: the prompt is the encoder input, the
@@ -83,7 +83,7 @@ def row_layout(config, tokenizer):
   else:
     build = lambda examples: pack_causal(examples, seq_len, pad)
     real = lambda ex: len(instructions.sequence(ex.prompt, ex.responses[0], seq_len + 1)[0]) - 1
-  return instructions.layout(config, tokenizer, "sft", build, real)
+  return instructions.layout(config, tokenizer, "instruction", build, real)
 
 
 def transform(config, tokenizer):
