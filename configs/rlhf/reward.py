@@ -49,6 +49,7 @@ def get_config(arg="gpt1"):
   c.optimizer.lr, c.optimizer.warmup_steps = 1e-3, 20
   c.batch_size, c.total_steps = 32, 300
   c.log_every, c.eval_every, c.checkpoint_every = 50, 100, 100
+  c.finetune.best_metric = ""
   if arg == "tiny":
     m.vocab_size = 64
   return c
