@@ -79,6 +79,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.finetune.reinit_top_layers = 0  # the top layers keep their fresh init instead of the pre-trained values
   c.finetune.layer_decay = 1.0    # lr of layer i = lr * decay^(num_layers - i), embeddings one step lower; 1 = off
   c.finetune.best_metric = ""     # e.g. "eval_accuracy": keep the checkpoint of the best eval in WORKDIR/best
+
+  c.rlhf = ml_collections.ConfigDict()   # instruction / preference data and losses (lm_jax/data/instructions.py)
+  c.rlhf.files = ""               # glob of .jsonl with {split}: {prompt, response} (sft), {prompt, chosen, rejected}
+  c.rlhf.prompt_field = "prompt"
+  c.rlhf.response_field = "response"
+  c.rlhf.chosen_field = "chosen"
+  c.rlhf.rejected_field = "rejected"
+  c.rlhf.template = ""            # chat template with {prompt}, e.g. "Human: {prompt}\n\nAssistant:"; "" = as is
+  c.rlhf.margin = 0.0             # reward model: loss -log sigmoid(r_chosen - r_rejected - margin)
+  c.rlhf.dpo_beta = 0.1           # DPO's beta (Rafailov et al. 2023)
   return c
 
 
@@ -111,6 +121,7 @@ def model_defaults(family: str) -> ml_collections.ConfigDict:
   m.pad_token_id = 0
   m.eos_token_id = 1
   m.decoder_start_token_id = 0
+  m.frozen_reference = False      # params get a 'reference' copy, frozen (DPO's reference model, objectives/dpo.py)
   return m
 
 

@@ -37,7 +37,7 @@ from lm_jax import checkpoint, models, objectives, sharding
 from lm_jax.models import layers
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
-RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels")
+RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
 _LAYER = re.compile(r"layers_(\d+)")   # a looped layer's params; scanned ones are all under "layers"
 
 
@@ -168,6 +168,8 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
   rows of an enlarged embedding table), `fresh` (the run's seeded init) elsewhere and in the top
   finetune.reinit_top_layers layers."""
   new, old = _paths(fresh), _paths(pretrained)
+  if models.REFERENCE in fresh and models.REFERENCE not in pretrained:   # DPO's reference: the pre-trained model
+    old.update({(models.REFERENCE, *p): jax.numpy.array(leaf, copy=True) for p, leaf in list(old.items())})
   taken = {p for p, leaf in new.items() if p in old and np.shape(old[p]) == np.shape(leaf)}
   grown = {p for p, leaf in new.items() if p in old and p[-1] == "embedding" and _extends(old[p], leaf)}
 
@@ -189,8 +191,10 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
 
 # ------------------------------------------------------------------------------------------------------ freezing
 def _patterns(config) -> tuple:
+  """finetune.freeze, and the reference copy of model.frozen_reference."""
   group = config.get("finetune")
-  return tuple(group.get("freeze", ())) if group is not None else ()
+  reference = (f"^{models.REFERENCE}/",) if config.model.get("frozen_reference", False) else ()
+  return (tuple(group.get("freeze", ())) if group is not None else ()) + reference
 
 
 def layer_decay(config) -> float:

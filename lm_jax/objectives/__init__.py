@@ -22,10 +22,11 @@ specific to it, so no other module branches on its name:
 A test (or a user's script) can register its own objective with `register` and train it through the
 unchanged trainer.
 """
-from lm_jax.objectives import classify, clm, gpt_classify, mlm, span_corruption, text_to_text
+from lm_jax.objectives import (classify, clm, dpo, gpt_classify, mlm, reward, sft, span_corruption,
+                               text_to_text)
 from lm_jax.objectives.registry import Lengths, Objective, get, names, register
 
-for _module in (mlm, clm, span_corruption, classify, gpt_classify, text_to_text):
+for _module in (mlm, clm, span_corruption, classify, gpt_classify, text_to_text, sft, reward, dpo):
   register(_module.OBJECTIVE)
 
 
