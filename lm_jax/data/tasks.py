@@ -18,6 +18,7 @@ prediction but counts in no metric.
 import dataclasses
 import glob
 import json
+import logging
 import math
 import os
 
@@ -158,6 +159,9 @@ def _tsv(path, lines, fields, label_field, labels) -> list:
   elif all(f in header for f in fields):
     columns, lines = [header.index(f) for f in fields], lines[1:]
     label = header.index(label_field) if label_field in header else None
+    if label is None:
+      logging.warning("data: %s has no column %r (its header: %s): its records are unlabelled, predicted but in no "
+                      "metric", path, label_field, header)
   else:
     raise ValueError(f"config.task.text_fields={fields!r} / label_field={label_field!r}: {path} has no header row "
                      f"naming them (its first row: {header[:6]!r}); for a file without a header give column "
