@@ -293,3 +293,41 @@ def test_lora_on_a_sharded_mesh_gives_the_single_device_loss():
   assert single["losses"][0][0] != single["losses"][-1][0]   # it trains
   # B of mlp/wi: (layers, rank, d_ff) with d_ff over the tensor axis
   assert sharded["spec"] == ["None", "None", "tensor"] and sharded["shard"] == [2, 4, 32]
+
+
+def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):
+  """config.qlora: the frozen kernels are stored as NF4 (~4.127 bits), stay bit-identical through train steps that
+  change the adapters, hold no optimizer state; the model runs the dequantised base + adapters, which a PEFT
+  export (the dequantised base + adapter/) reproduces."""
+  from flax import linen as nn
+  from lm_jax import objectives, sharding, step
+  from lm_jax.peft import nf4
+  from test_step import _batch, _config
+  config = _config("clm", total_steps=3)
+  config.model.update(d_ff=128, num_layers=2)
+  config.lora.update(rank=4, targets=("attention/(query|value)/",))
+  config.qlora = True
+  lora.check(config)
+  mesh = sharding.make_mesh(config)
+  tx, lr, _, sh = step.state_layout(config, mesh, sharding.RULES)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
+    state = step.fresh_state(config, tx, sh)
+    before = jax.device_get(state["params"])
+    train_step = step.make_train_step(config, objectives.get("clm"), tx, lr, sh, mesh)
+    for i in range(3):
+      state, metrics = train_step(state, _batch(config, seed=i))
+  after = jax.device_get(state["params"])
+  wi = after["layers_0"]["mlp"]["wi"]["kernel"]
+  assert isinstance(wi, nf4.NF4) and 4.125 < nf4.bits_per_param(wi) < 4.15   # 4.127 + per-tensor scale, mean
+  assert isinstance(after["word_embeddings"]["embedding"], np.ndarray)   # only Dense kernels are quantised
+  for x, y in zip(jax.tree.leaves({k: v for k, v in before.items() if k != "lora"}),
+                  jax.tree.leaves({k: v for k, v in after.items() if k != "lora"})):
+    assert np.array_equal(x, y)
+  assert not np.array_equal(before["lora"]["layers_0"]["attention"]["query"]["b"],
+                            after["lora"]["layers_0"]["attention"]["query"]["b"])
+  assert set(jax.device_get(state["opt_state"]).mu) == {"lora"}
+  export.save_hf(config.model, lora.base(config, after), str(tmp_path / "base"))
+  peft_format.save(config, after, str(tmp_path / "adapter"))
+  adapted = load_peft(load_hf("gpt", str(tmp_path / "base")), str(tmp_path / "adapter"))
+  b = {k: v for k, v in batch("gpt").items()}
+  close(forward(config)(after, b)[:2], theirs(adapted, b))

@@ -314,7 +314,7 @@ def prepare(config, pretrained: dict, fill: bool = False) -> dict:
   PEFT directory config.lora.init_from; with `fill`, fresh adapters (seed config.seed) when there is none."""
   if not enabled(config):
     return pretrained
-  params = quantize(config, {k: v for k, v in pretrained.items() if k != KEY})
+  params = jax.jit(lambda p: quantize(config, p))({k: v for k, v in pretrained.items() if k != KEY})
   if config.lora.init_from:
     from lm_jax.peft import peft_format
     loaded = peft_format.load(config, config.lora.init_from)
