@@ -97,6 +97,7 @@ def _blocks(x: jax.Array, blocksize: int) -> tuple[jax.Array, jax.Array, bool]:
   return blocks, jnp.max(jnp.abs(blocks), axis=1), n % blocksize != 0
 
 
+@functools.partial(jax.jit, static_argnames="blocksize")
 def quantize_dynamic(x: jax.Array, blocksize: int = 256) -> tuple[jax.Array, jax.Array]:
   """bitsandbytes' quantize_blockwise (8 bits, dynamic code) of float32 x: (uint8 indices into DYNAMIC_VALUES,
   float32 absmax per block)."""
@@ -108,6 +109,7 @@ def quantize_dynamic(x: jax.Array, blocksize: int = 256) -> tuple[jax.Array, jax
   return codes.reshape(-1)[:x.size], absmax
 
 
+@functools.partial(jax.jit, static_argnames=("blocksize", "double_quant", "double_blocksize"))
 def quantize(w: jax.Array, *, blocksize: int = 64, double_quant: bool = True, double_blocksize: int = 256) -> NF4:
   """NF4 codes of w (any float dtype, computed in float32) with per-block absmax, double-quantised by default."""
   if not jnp.issubdtype(w.dtype, jnp.floating):
@@ -147,6 +149,7 @@ def absmax_values(q: NF4) -> jax.Array:
   return values.reshape(-1)[:q.absmax.size] + q.absmax_mean
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize(q: NF4, dtype=jnp.float32) -> jax.Array:
   """The weight of q in its original shape, computed in float32 and cast to `dtype`. Jittable."""
   n = math.prod(q.shape)
@@ -169,13 +172,13 @@ def quantize_tree(params, patterns, **kw):
       lambda path, x: quantize(x, **kw) if any(p.search(_path(path)) for p in compiled) else x, params)
 
 
-def _is_nf4(x) -> bool:
+def is_nf4(x) -> bool:
   return isinstance(x, NF4)
 
 
 def dequantize_tree(tree, dtype=None):
   """tree with every NF4 dequantised to `dtype` (None: each weight's original dtype); other leaves as they are."""
-  return jax.tree.map(lambda x: dequantize(x, dtype or x.dtype) if _is_nf4(x) else x, tree, is_leaf=_is_nf4)
+  return jax.tree.map(lambda x: dequantize(x, dtype or x.dtype) if is_nf4(x) else x, tree, is_leaf=is_nf4)
 
 
 def _bytes(x) -> int:
@@ -185,7 +188,7 @@ def _bytes(x) -> int:
 def storage(tree) -> tuple[int, int]:
   """(bytes stored, parameters represented) of a tree of arrays, ShapeDtypeStructs and NF4s."""
   nbytes = params = 0
-  for x in jax.tree.leaves(tree, is_leaf=_is_nf4):
+  for x in jax.tree.leaves(tree, is_leaf=is_nf4):
     nbytes += sum(_bytes(a) for a in jax.tree.leaves(x))
     params += math.prod(x.shape)
   return nbytes, params
