@@ -73,6 +73,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.finetune.reinit_top_layers = 0  # the top layers keep their fresh init instead of the pre-trained values
   c.finetune.layer_decay = 1.0    # lr of layer i = lr * decay^(num_layers - i), embeddings one step lower; 1 = off
   c.finetune.best_metric = ""     # e.g. "eval_accuracy": keep the checkpoint of the best eval in WORKDIR/best
+
+  c.lora = ml_collections.ConfigDict()   # LoRA adapters (lm_jax/peft/lora.py, docs/lora.md)
+  c.lora.rank = 0                 # r; 0 = off
+  c.lora.alpha = 16.0             # scale alpha / r (alpha / sqrt(r) with rslora)
+  c.lora.dropout = 0.0            # PEFT's lora_dropout; must be 0 (adapters are merged into the kernels)
+  c.lora.targets = ("attention/(query|value)/",)   # regexes over Dense kernel paths, e.g. "kernel" = all of them
+  c.lora.rslora = False
+  c.lora.modules_to_save = ("^classifier/",)       # params that train fully beside the adapters (the task head)
+  c.lora.init_from = ""           # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
+  c.qlora = False                 # frozen Dense kernels stored as NF4 (double quantisation), adapters float32
   return c
 
 
