@@ -6,8 +6,9 @@ params, optimizer state: exact. The train state's abstract params and optimizer 
   placed by the trainer's own rules (sharding.logical_to_sharding, opt_state_sharding) on an AbstractMesh of the
   requested sizes; bytes = sum of shard sizes, also shown per parameter (NF4-quantised weights, lm_jax.peft.nf4,
   count as the weights they stand for: ~0.516 bytes each).
-gradients: float32 copy of the params' shards (step.py casts them), twice with microbatches (accumulator
-  plus the current microbatch's gradient); NF4 weights stay frozen and get none.
+gradients: float32 copy of the trainable params' shards (step.py casts them; finetune.trainable_mask: frozen
+  params, LoRA's base and its NF4 weights get none), twice with microbatches (accumulator plus the current
+  microbatch's gradient).
 activations: analytic, what the backward pass keeps per layer (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models", §4 without sequence parallelism), per token, with
   D = d_model, A = heads*head_dim / t, F = d_ff / t, H = heads / t, t = the mesh size `heads`/`mlp` map to:
@@ -33,7 +34,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AbstractMesh
 
-from lm_jax import models, objectives, sharding, step
+from lm_jax import finetune, models, objectives, sharding, step
 from lm_jax.models import layers, t5
 from lm_jax.peft import nf4
 
@@ -77,20 +78,16 @@ def _sharded_bytes(abstract, shardings) -> int:
              for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
 
 
-def param_bytes(abstract_params, shardings) -> tuple[int, int, int]:
-  """Per device: (bytes, parameters they hold, of which not NF4-quantised) of abstract params placed by
-  `shardings`; an NF4 weight holds the share of its parameters that its parts' shards hold of its bytes."""
-  nbytes = count = plain = 0
+def param_bytes(abstract_params, shardings) -> tuple[int, int]:
+  """Per device: (bytes, parameters they hold) of abstract params placed by `shardings`; an NF4 weight holds the
+  share of its parameters that its parts' shards hold of its bytes."""
+  nbytes = count = 0
   for a, s in zip(jax.tree.leaves(abstract_params, is_leaf=nf4.is_nf4),
                   jax.tree.structure(abstract_params, is_leaf=nf4.is_nf4).flatten_up_to(shardings)):
     local = _sharded_bytes(a, s)
     nbytes += local
-    if nf4.is_nf4(a):
-      count += math.prod(a.shape) * local // nf4.storage(a)[0]
-    else:
-      count += local // np.dtype(a.dtype).itemsize
-      plain += local // np.dtype(a.dtype).itemsize
-  return nbytes, count, plain
+    count += math.prod(a.shape) * local // nf4.storage(a)[0] if nf4.is_nf4(a) else local // np.dtype(a.dtype).itemsize
+  return nbytes, count
 
 
 def _mesh_size(rules, sizes: dict, logical: str) -> int:
@@ -168,8 +165,10 @@ def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
   _, _, abstract, state_sh = step.state_layout(config, abstract_mesh, rules)
   params_sh, abstract_opt, opt_sh = state_sh["params"], abstract["opt_state"], state_sh["opt_state"]
 
-  params, param_count, plain = param_bytes(abstract["params"], params_sh)
-  grads = 4 * plain * (2 if config.microbatches > 1 else 1)
+  params, param_count = param_bytes(abstract["params"], params_sh)
+  mask = finetune.trainable_mask(config)
+  trainable = param_bytes(finetune.split(abstract["params"], mask)[0], finetune.split(params_sh, mask)[0])[1]
+  grads = 4 * trainable * (2 if config.microbatches > 1 else 1)
   rows = -(-config.batch_size // (config.microbatches * _mesh_size(rules, sizes, "batch")))
   div = {name: _mesh_size(rules, sizes, name) for name in ("heads", "mlp", "vocab")}
   return Estimate(mesh=mesh, rows=rows, remat=config.model.remat_policy, params=params, param_count=param_count,
