@@ -114,13 +114,14 @@ def quantize(w: jax.Array, *, blocksize: int = 64, double_quant: bool = True, do
   """NF4 codes of w (any float dtype, computed in float32) with per-block absmax, double-quantised by default."""
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"NF4 quantises floating-point weights, got {w.dtype} of shape {tuple(w.shape)}")
-  if blocksize < 2 or double_blocksize < 1:
-    raise ValueError(f"NF4 needs blocksize >= 2 and double_blocksize >= 1, got {blocksize}, {double_blocksize}")
+  if blocksize < 1 or double_blocksize < 1:
+    raise ValueError(f"NF4 needs blocksize and double_blocksize >= 1, got {blocksize}, {double_blocksize}")
   n = math.prod(w.shape)
   blocks, absmax, partial = _blocks(w.astype(jnp.float32), blocksize)
   # bitsandbytes scales whole blocks by the reciprocal, the trailing partial block by division, and keeps an
-  # all-zero trailing block's absmax at 1e-38 (a float32 subnormal: XLA flushes it to 0 in arithmetic, so zero
-  # blocks are handled apart).
+  # all-zero trailing block's absmax at 1e-38, a float32 subnormal: XLA flushes those in arithmetic (so zero
+  # blocks are handled apart) and, on CPU, even in a select when the weight is that one block (absmax 0 then;
+  # both dequantise to zeros).
   zero = absmax == 0
   safe = jnp.where(zero, 1, absmax)
   scaled = blocks * (1 / safe)[:, None]
@@ -154,8 +155,8 @@ def dequantize(q: NF4, dtype=jnp.float32) -> jax.Array:
   """The weight of q in its original shape, computed in float32 and cast to `dtype`. Jittable."""
   n = math.prod(q.shape)
   idx = jnp.stack([q.codes >> 4, q.codes & 15], axis=1).reshape(-1)
-  values = jnp.asarray(NF4_VALUES)[idx]
-  values = jnp.pad(values, (0, q.absmax.size * q.blocksize - values.size)).reshape(-1, q.blocksize)
+  values = jnp.asarray(NF4_VALUES)[idx[:n]]
+  values = jnp.pad(values, (0, q.absmax.size * q.blocksize - n)).reshape(-1, q.blocksize)
   w = (values * absmax_values(q)[:, None]).reshape(-1)[:n]
   return w.reshape(q.shape).astype(dtype)
 
