@@ -97,6 +97,7 @@ def _blocks(x: jax.Array, blocksize: int) -> tuple[jax.Array, jax.Array, bool]:
   return blocks, jnp.max(jnp.abs(blocks), axis=1), n % blocksize != 0
 
 
+@functools.partial(jax.jit, static_argnames="blocksize")
 def quantize_dynamic(x: jax.Array, blocksize: int = 256) -> tuple[jax.Array, jax.Array]:
   """bitsandbytes' quantize_blockwise (8 bits, dynamic code) of float32 x: (uint8 indices into DYNAMIC_VALUES,
   float32 absmax per block)."""
@@ -108,17 +109,19 @@ def quantize_dynamic(x: jax.Array, blocksize: int = 256) -> tuple[jax.Array, jax
   return codes.reshape(-1)[:x.size], absmax
 
 
+@functools.partial(jax.jit, static_argnames=("blocksize", "double_quant", "double_blocksize"))
 def quantize(w: jax.Array, *, blocksize: int = 64, double_quant: bool = True, double_blocksize: int = 256) -> NF4:
   """NF4 codes of w (any float dtype, computed in float32) with per-block absmax, double-quantised by default."""
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"NF4 quantises floating-point weights, got {w.dtype} of shape {tuple(w.shape)}")
-  if blocksize < 2 or double_blocksize < 1:
-    raise ValueError(f"NF4 needs blocksize >= 2 and double_blocksize >= 1, got {blocksize}, {double_blocksize}")
+  if blocksize < 1 or double_blocksize < 1:
+    raise ValueError(f"NF4 needs blocksize and double_blocksize >= 1, got {blocksize}, {double_blocksize}")
   n = math.prod(w.shape)
   blocks, absmax, partial = _blocks(w.astype(jnp.float32), blocksize)
   # bitsandbytes scales whole blocks by the reciprocal, the trailing partial block by division, and keeps an
-  # all-zero trailing block's absmax at 1e-38 (a float32 subnormal: XLA flushes it to 0 in arithmetic, so zero
-  # blocks are handled apart).
+  # all-zero trailing block's absmax at 1e-38, a float32 subnormal: XLA flushes those in arithmetic (so zero
+  # blocks are handled apart) and, on CPU, even in a select when the weight is that one block (absmax 0 then;
+  # both dequantise to zeros).
   zero = absmax == 0
   safe = jnp.where(zero, 1, absmax)
   scaled = blocks * (1 / safe)[:, None]
@@ -147,12 +150,13 @@ def absmax_values(q: NF4) -> jax.Array:
   return values.reshape(-1)[:q.absmax.size] + q.absmax_mean
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
 def dequantize(q: NF4, dtype=jnp.float32) -> jax.Array:
   """The weight of q in its original shape, computed in float32 and cast to `dtype`. Jittable."""
   n = math.prod(q.shape)
   idx = jnp.stack([q.codes >> 4, q.codes & 15], axis=1).reshape(-1)
-  values = jnp.asarray(NF4_VALUES)[idx]
-  values = jnp.pad(values, (0, q.absmax.size * q.blocksize - values.size)).reshape(-1, q.blocksize)
+  values = jnp.asarray(NF4_VALUES)[idx[:n]]
+  values = jnp.pad(values, (0, q.absmax.size * q.blocksize - n)).reshape(-1, q.blocksize)
   w = (values * absmax_values(q)[:, None]).reshape(-1)[:n]
   return w.reshape(q.shape).astype(dtype)
 
@@ -169,13 +173,13 @@ def quantize_tree(params, patterns, **kw):
       lambda path, x: quantize(x, **kw) if any(p.search(_path(path)) for p in compiled) else x, params)
 
 
-def _is_nf4(x) -> bool:
+def is_nf4(x) -> bool:
   return isinstance(x, NF4)
 
 
 def dequantize_tree(tree, dtype=None):
   """tree with every NF4 dequantised to `dtype` (None: each weight's original dtype); other leaves as they are."""
-  return jax.tree.map(lambda x: dequantize(x, dtype or x.dtype) if _is_nf4(x) else x, tree, is_leaf=_is_nf4)
+  return jax.tree.map(lambda x: dequantize(x, dtype or x.dtype) if is_nf4(x) else x, tree, is_leaf=is_nf4)
 
 
 def _bytes(x) -> int:
@@ -185,7 +189,7 @@ def _bytes(x) -> int:
 def storage(tree) -> tuple[int, int]:
   """(bytes stored, parameters represented) of a tree of arrays, ShapeDtypeStructs and NF4s."""
   nbytes = params = 0
-  for x in jax.tree.leaves(tree, is_leaf=_is_nf4):
+  for x in jax.tree.leaves(tree, is_leaf=is_nf4):
     nbytes += sum(_bytes(a) for a in jax.tree.leaves(x))
     params += math.prod(x.shape)
   return nbytes, params
