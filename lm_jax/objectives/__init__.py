@@ -16,14 +16,16 @@ specific to it, so no other module branches on its name:
   predict          (optional) (config, params, batch) -> per-example {prediction, label, weight, index}: the eval
                    adds metrics over the whole eval set's predictions (F1, Matthews, Pearson / Spearman;
                    lm_jax.evaluate.prediction_metrics) and --mode=predict writes them
+  loop             (optional) (config, workdir, *, devices) -> result: a training loop of its own that
+                   train.train runs instead of the step loop (PPO: rollouts, scoring, updates)
 
 A test (or a user's script) can register its own objective with `register` and train it through the
 unchanged trainer.
 """
-from lm_jax.objectives import classify, clm, mlm, span_corruption
+from lm_jax.objectives import classify, clm, mlm, ppo, span_corruption
 from lm_jax.objectives.registry import Lengths, Objective, get, names, register
 
-for _module in (mlm, clm, span_corruption, classify):
+for _module in (mlm, clm, span_corruption, classify, ppo):
   register(_module.OBJECTIVE)
 
 

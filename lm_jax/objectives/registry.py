@@ -28,6 +28,7 @@ class Objective:
   loss: Callable          # (config, params, batch, den, *, rng, train) -> (loss, metrics); sums / den
   metric_denominators: dict = dataclasses.field(default_factory=dict)  # metric -> den key; default: the first
   predict: Callable | None = None  # (config, params, batch) -> per-example {prediction, label, weight, index}
+  loop: Callable | None = None     # (config, workdir, *, devices) -> result: a trainer of its own (PPO)
 
   def tokens_per_example(self, config) -> int:
     lengths = self.lengths(config)
