@@ -64,7 +64,7 @@ def get_config(arg="ppo"):
     p.prompts, p.prompt_len, p.max_new_tokens = text, 8, 16
     p.reward_fn = "count_e"
     p.minibatches = 2
-    c.optimizer.lr = 3e-3
+    c.optimizer.lr, c.optimizer.warmup_steps = 3e-3, 0
     c.batch_size, c.total_steps = 32, 20
     c.log_every, c.eval_every, c.checkpoint_every = 1, 0, 10
   return c
