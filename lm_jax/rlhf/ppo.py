@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from etils import epath
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -130,11 +131,15 @@ def _policy_loss(config, params, batch, den, *, rng=None, train=False):
                                        config.ppo.cliprange, den["tokens"])
   metrics["policy_loss"] = loss
   if config.ppo.ptx_coef:
-    ptx = {k.removeprefix("ptx_"): v for k, v in batch.items() if k.startswith("ptx_")}
-    lm_loss, lm = clm.loss(config, params, ptx, {"tokens": den["ptx_tokens"]})
+    lm_loss, lm = clm.loss(config, params, _ptx(batch), {"tokens": den["ptx_tokens"]})
     loss = loss + config.ppo.ptx_coef * lm_loss
     metrics["ptx_loss"] = lm["token_loss"]
   return loss, dict(metrics, loss=loss)
+
+
+def _ptx(batch):
+  """The pre-training rows of a PPO-ptx minibatch (features ptx_*), as the clm objective reads them."""
+  return {k.removeprefix("ptx_"): v for k, v in batch.items() if k.startswith("ptx_")}
 
 
 def _response_tokens(batch):
@@ -144,8 +149,7 @@ def _response_tokens(batch):
 def _policy_denominators(batch):
   den = _response_tokens(batch)
   if "ptx_input_ids" in batch:
-    den["ptx_tokens"] = clm.denominators({k.removeprefix("ptx_"): v for k, v in batch.items()
-                                          if k.startswith("ptx_")})["tokens"]
+    den["ptx_tokens"] = clm.denominators(_ptx(batch))["tokens"]
   return den
 
 
@@ -211,6 +215,7 @@ def _reward_model(config):
 class Run:
   """What a PPO run builds before its first iteration; loop() can run it several times (tests do)."""
   setup: train_lib.Setup
+  workdir: str             # where build() found or trained the tokenizer
   policy: _Part
   value: _Part
   reward_model: object     # model config of config.ppo.reward_from; None with an exact reward
@@ -242,7 +247,7 @@ def build(config, workdir: str, devices=None) -> Run:
   value = _part(_update_config(c, value_model, p.value_lr or c.optimizer.lr, ()), s.mesh, s.rules, _VALUE)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     initial = _initial_params(s, policy, value, reward_model)
-  return Run(s, policy, value, reward_model, rewards.get(p.reward_fn) if p.reward_fn else None, prompts,
+  return Run(s, workdir, policy, value, reward_model, rewards.get(p.reward_fn) if p.reward_fn else None, prompts,
              _scoring_pass(c, value_model, reward_model, s.mesh), initial)
 
 
@@ -400,6 +405,17 @@ def _ptx_iterator(run: Run):
                                       process_count=jax.process_count())
 
 
+def _policy_workdir(run: Run, workdir: str):
+  """WORKDIR/policy: the policy alone as a run's workdir (train state, config, tokenizer), saved with every
+  checkpoint, so generate, eval, export and a next stage read it (--workdir or --init_from) like any other run."""
+  path = epath.Path(workdir) / "policy"
+  mngr = checkpoint.manager(str(path), 1)
+  if jax.process_index() == 0:
+    for tokenizer in epath.Path(run.workdir).glob("tokenizer_*.model"):
+      tokenizer.copy(path / tokenizer.name, overwrite=True)
+  return mngr
+
+
 def train(config, workdir: str, *, devices=None) -> dict:
   """PPO iterations up to config.phase_end_step or total_steps, resuming the latest checkpoint in workdir ->
   {'step', 'train': the last iteration's record, 'state': the PPO state}."""
@@ -410,7 +426,7 @@ def loop(run: Run, workdir: str) -> dict:
   """train() with the parts built: iterations from the latest checkpoint in workdir (or the start) to the end, a
   record per iteration in workdir/metrics.jsonl, checkpoints on schedule and on SIGTERM."""
   s, c = run.setup, run.setup.config
-  mngr = checkpoint.manager(workdir, c.keep_checkpoints)
+  mngr, policy_mngr = checkpoint.manager(workdir, c.keep_checkpoints), _policy_workdir(run, workdir)
   ptx_it = _ptx_iterator(run)
   end, result = c.phase_end_step or c.total_steps, {"step": 0, "train": None}
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
@@ -434,12 +450,14 @@ def loop(run: Run, workdir: str) -> dict:
         stop = preemption.any_process()
         if it % c.checkpoint_every == 0 or it == end or stop:
           checkpoint.save(mngr, it, state, checkpoint.data_state(ptx_it) if ptx_it else {}, c)
+          checkpoint.save(policy_mngr, it, state["policy"], {}, run.policy.config)
         result.update(step=it, train=record)
         if stop:
           train_lib._print(f"SIGTERM: saved iteration {it}, exiting")
           break
-    checkpoint.finish(mngr)
-    mngr.close()
+    for m in (mngr, policy_mngr):
+      checkpoint.finish(m)
+      m.close()
     log.close()
     if ptx_it:
       ptx_it.close()
