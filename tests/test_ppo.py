@@ -2,6 +2,7 @@
 reads the rollouts where the model scores them; a tiny policy raises an exact reward well above its initial one with
 the KL to the reference bounded; kill -9 and SIGTERM resume to exactly the uninterrupted run."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,20 @@ def test_adaptive_kl_controller():
   """Ziegler et al. §2.2: beta grows when the KL is above target, shrinks below, by at most 20% * n / horizon."""
   assert ppo_math.adaptive_kl_coef(0.1, 12.0, 6.0, 100.0, 10) == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
   assert ppo_math.adaptive_kl_coef(0.1, 5.7, 6.0, 100.0, 10) == pytest.approx(0.1 * (1 - 0.05 * 10 / 100))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"ppo.reward_fn": "nope"}, "config.ppo.reward_fn='nope' is unknown; known: count_e"),
+    ({"ppo.reward_fn": ""}, "config.objective='ppo' needs config.ppo.reward_from (a reward model's workdir) or "
+                            "config.ppo.reward_fn"),
+    ({"ppo.max_new_tokens": 57}, "config.ppo.prompt_len + max_new_tokens = 65 exceeds config.model.max_positions=64"),
+    ({"ppo.minibatches": 3}, "config.ppo.minibatches=3 must be >= 1 and divide config.batch_size=32"),
+    ({"ppo.lam": 1.5}, "config.ppo.lam must be in [0, 1], got 1.5"),
+])
+def test_config_mistakes_are_one_line(overrides, message):
+  config = config_lib.load("configs/rlhf/ppo.py:tiny", overrides)
+  with pytest.raises(config_lib.ConfigError, match="^" + re.escape(message)):
+    config_lib.validate(config, 1)
 
 
 # ------------------------------------------------------------------------------------------------ tiny PPO runs

@@ -199,6 +199,8 @@ def _update_config(config, model, lr: float, freeze: tuple):
 def _reward_model(config):
   """config.ppo.reward_from's model config (run with this run's runtime fields): a GPT with num_labels = 1."""
   p, m = config.ppo, config.model
+  if not (epath.Path(p.reward_from) / "checkpoints").is_dir():
+    raise FileNotFoundError(f"config.ppo.reward_from={p.reward_from!r} is not a run's workdir (no checkpoints/ in it)")
   model, _ = finetune.source_model(p.reward_from)
   if model.family != "gpt" or model.get("num_labels", 0) != 1:
     raise ValueError(f"config.ppo.reward_from={p.reward_from!r} holds a {model.family} model with num_labels="
