@@ -19,7 +19,7 @@ from lm_jax.data import tokenizer
 from lm_jax.rlhf import ppo, ppo_math
 from conftest import REPO
 
-ITERATIONS = 16
+ITERATIONS = 20
 
 
 # ---------------------------------------------------------------------------- NumPy reference (TRL's formulas)
@@ -166,7 +166,7 @@ def overrides(shared_data, tmp_path_factory) -> dict:
   text = workdir / "lines.txt"
   text.write_text("".join((shared_data / "tiny_shakespeare" / "input.txt").read_text().splitlines(True)[:2000]))
   fields = {"data.files": str(text), "ppo.prompts": str(text), "total_steps": ITERATIONS, "checkpoint_every": 4,
-            "model.num_layers": 1}
+            "model.num_layers": 1, "ppo.ptx_coef": 0.05, "data.seq_len": 32}   # PPO-ptx: its stream resumes too
   tokenizer.load_or_train(config_lib.load("configs/rlhf/ppo.py:tiny", fields), str(workdir))
   return {**fields, "data.tokenizer": str(next(workdir.glob("tokenizer_*.model")))}
 
@@ -212,8 +212,9 @@ def test_ppo_raises_the_true_reward_with_a_bounded_kl(trained):
   first, last = records[0], np.mean([r["reward"] for r in records[-3:]])
   assert last > 2 * first["reward"], [round(r["reward"], 2) for r in records]
   assert first["kl"] == pytest.approx(0.0, abs=1e-4)   # the first rollouts come from the reference itself
-  assert 0 < records[-1]["kl"] < 30, [round(r["kl"], 2) for r in records]   # nats per response of 16 tokens
-  for key in ("entropy", "value_loss", "clip_frac", "approx_kl", "response_length", "tokens_per_sec", *ppo.TIMES):
+  assert 0 < records[-1]["kl"] < 40, [round(r["kl"], 2) for r in records]   # nats per response of 16 tokens
+  for key in ("entropy", "value_loss", "clip_frac", "approx_kl", "ptx_loss", "response_length", "tokens_per_sec",
+              *ppo.TIMES):
     assert all(np.isfinite(r[key]) for r in records), key
 
 
