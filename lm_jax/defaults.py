@@ -67,12 +67,28 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.label_field = "label"
   c.task.label_names = ()         # labels as written in the data, in class order; () = class numbers
   c.task.test_split = "test"      # --mode=predict writes predictions for it (train / eval: data.*_split)
+  c.task.choice_fields = ()       # multiple choice: the K answer fields (text_fields: the one context field)
+  c.task.format = "classify"      # gpt_classify's GPT-1 input transformation: classify, entailment, similarity,
+                                  # multiple_choice
+  c.task.lm_coef = 0.5            # gpt_classify: weight of the auxiliary LM loss (GPT-1 §3.2 lambda)
+  c.task.prefix = ""              # text_to_text: the task prefix of every input, e.g. "sst2" -> "sst2 sentence: ..."
+  c.task.field_names = ()         # text_to_text: the name written before each text; () = text_fields
 
   c.finetune = ml_collections.ConfigDict()   # what trains when starting from init_from (lm_jax/finetune.py)
   c.finetune.freeze = ()          # regexes over parameter paths, e.g. ("embeddings", "layers_[0-9]/")
   c.finetune.reinit_top_layers = 0  # the top layers keep their fresh init instead of the pre-trained values
   c.finetune.layer_decay = 1.0    # lr of layer i = lr * decay^(num_layers - i), embeddings one step lower; 1 = off
   c.finetune.best_metric = ""     # e.g. "eval_accuracy": keep the checkpoint of the best eval in WORKDIR/best
+
+  c.rlhf = ml_collections.ConfigDict()   # instruction / preference data and losses (lm_jax/data/instructions.py)
+  c.rlhf.files = ""               # glob of .jsonl with {split}: {prompt, response} (sft), {prompt, chosen, rejected}
+  c.rlhf.prompt_field = "prompt"
+  c.rlhf.response_field = "response"
+  c.rlhf.chosen_field = "chosen"
+  c.rlhf.rejected_field = "rejected"
+  c.rlhf.template = ""            # chat template with {prompt}, e.g. "Human: {prompt}\n\nAssistant:"; "" = as is
+  c.rlhf.margin = 0.0             # reward model: loss -log sigmoid(r_chosen - r_rejected - margin)
+  c.rlhf.dpo_beta = 0.1           # DPO's beta (Rafailov et al. 2023)
   return c
 
 
@@ -105,6 +121,7 @@ def model_defaults(family: str) -> ml_collections.ConfigDict:
   m.pad_token_id = 0
   m.eos_token_id = 1
   m.decoder_start_token_id = 0
+  m.frozen_reference = False      # params get a 'reference' copy, frozen (DPO's reference model, objectives/dpo.py)
   return m
 
 

@@ -3,9 +3,12 @@ checkpoint, write predictions.
 
 - resolve(config): the run's model config takes the architecture of config.init_from (a Hugging Face directory's
   config.json, or the saved config of another run's workdir) and keeps its own runtime fields and num_labels; the
-  tokenizer is the pre-trained one unless data.tokenizer names another.
+  tokenizer is the pre-trained one unless data.tokenizer names another. An objective's added_tokens (GPT-1's
+  start / delimiter / extract) enlarge the vocabulary: model.vocab_size = pre-trained + added_tokens, recorded as
+  model.added_tokens so that a run started from such a run keeps its vocabulary.
 - initial_params: every parameter the run's model shares with the pre-trained one (same path and shape) starts
-  from the pre-trained value; the rest (new task heads) keeps the fresh init drawn from the run's seed; the
+  from the pre-trained value, an enlarged embedding table its first rows; the rest (new task heads, the added
+  tokens' rows) keeps the fresh init drawn from the run's seed; the
   pre-trained heads the run's model lacks are dropped (BERT §4: the MLM / NSP heads give way to the classifier).
   finetune.reinit_top_layers resets the top layers of every layer stack to the fresh init.
 - layer_decay: finetune.layer_decay < 1 gives layer i the learning rate lr * decay^(num_layers - i)
@@ -24,16 +27,17 @@ import re
 import string
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from lm_jax import checkpoint, models, sharding
+from lm_jax import checkpoint, models, objectives, sharding
 from lm_jax.models import layers
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
-RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels")
+RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
 _LAYER = re.compile(r"layers_(\d+)")   # a looped layer's params; scanned ones are all under "layers"
 
 
@@ -79,6 +83,9 @@ def resolve(config):
                      f"config.model.family={config.model.family!r}")
   merged = config.model.to_dict()
   merged.update({k: v for k, v in model.to_dict().items() if k not in RUN_FIELDS})
+  added = objectives.get(config.objective).added_tokens
+  if added and not model.get("added_tokens"):   # a run that has them already (e.g. WORKDIR/best) keeps its vocab
+    merged.update(vocab_size=model.vocab_size + added, added_tokens=added)
   config = config.copy_and_resolve_references()
   with config.unlocked():
     config.model = ml_collections.ConfigDict(merged)
@@ -151,25 +158,43 @@ def _reinit_top(params: dict, fresh: dict, k: int) -> dict:
   return out
 
 
+def _extends(old, new) -> bool:
+  """Whether embedding table `new` has `old`'s rows and more (a vocabulary with added tokens)."""
+  return np.ndim(old) == np.ndim(new) == 2 and np.shape(old)[1] == np.shape(new)[1] and len(old) < len(new)
+
+
 def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
-  """(params, a one-line report): `pretrained` wherever it has the run's parameter with the same shape, `fresh`
-  (the run's seeded init) elsewhere and in the top finetune.reinit_top_layers layers."""
+  """(params, a one-line report): `pretrained` wherever it has the run's parameter with the same shape (the first
+  rows of an enlarged embedding table), `fresh` (the run's seeded init) elsewhere and in the top
+  finetune.reinit_top_layers layers."""
   new, old = _paths(fresh), _paths(pretrained)
+  if models.REFERENCE in fresh and models.REFERENCE not in pretrained:   # DPO's reference: the pre-trained model
+    old.update({(models.REFERENCE, *p): jax.numpy.array(leaf, copy=True) for p, leaf in list(old.items())})
   taken = {p for p, leaf in new.items() if p in old and np.shape(old[p]) == np.shape(leaf)}
-  params = _unflatten({p: old[p] if p in taken else leaf for p, leaf in new.items()})
+  grown = {p for p, leaf in new.items() if p in old and p[-1] == "embedding" and _extends(old[p], leaf)}
+
+  def start(p, leaf):
+    if p in grown:
+      return jnp.concatenate([old[p], leaf[len(old[p]):]])   # on the devices: arrays may span hosts
+    return old[p] if p in taken else leaf
+  params = _unflatten({p: start(p, leaf) for p, leaf in new.items()})
   top = config.finetune.reinit_top_layers
   params = _reinit_top(params, fresh, top)
   names = lambda paths: ", ".join(sorted({p[0] for p in paths})) or "none"
   report = (f"init_from {config.init_from}: {len(taken)} of {len(new)} parameter tensors pre-trained; "
-            f"fresh init: {names(set(new) - taken)}; dropped: {names(set(old) - set(new))}"
+            + "".join(f"{'/'.join(p)}: {len(old[p])} pre-trained rows + {len(new[p]) - len(old[p])} fresh; "
+                      for p in sorted(grown))
+            + f"fresh init: {names(set(new) - taken - grown)}; dropped: {names(set(old) - set(new))}"
             + (f"; top {top} layers re-initialised" if top else ""))
   return params, report
 
 
 # ------------------------------------------------------------------------------------------------------ freezing
 def _patterns(config) -> tuple:
+  """finetune.freeze, and the reference copy of model.frozen_reference."""
   group = config.get("finetune")
-  return tuple(group.get("freeze", ())) if group is not None else ()
+  reference = (f"^{models.REFERENCE}/",) if config.model.get("frozen_reference", False) else ()
+  return (tuple(group.get("freeze", ())) if group is not None else ()) + reference
 
 
 def layer_decay(config) -> float:

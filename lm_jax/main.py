@@ -16,8 +16,9 @@ from lm_jax import config_lib  # noqa: E402
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
 _MODE = flags.DEFINE_enum("mode", "train",
-                          ["train", "eval", "export", "summary", "generate", "fill_mask", "predict"],
-                          "what to do (predict: task.test_split predictions of a fine-tuned model as a TSV)")
+                          ["train", "eval", "export", "summary", "generate", "fill_mask", "predict", "zeroshot"],
+                          "what to do (predict: task.test_split predictions of a fine-tuned model as a TSV; "
+                          "zeroshot: GPT-1's zero-shot heuristics on config.task, docs/zeroshot.md)")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "--mode=generate: a prompt; --mode=fill_mask: a text with "
                                     "[MASK]s (repeatable)")
@@ -31,6 +32,13 @@ _SEED = flags.DEFINE_integer("seed", 0, "--method=sample: random seed")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "prompts, one per line (with or instead of --prompt)")
 _INIT_FROM = flags.DEFINE_string("init_from", None, "a Hugging Face directory or run workdir to evaluate / start "
                                  "from (sets config.init_from)")
+_ZEROSHOT = flags.DEFINE_enum("zeroshot", "sentiment", ["sentiment", "choice", "acceptability"],
+                              "--mode=zeroshot: the heuristic")
+_CUE = flags.DEFINE_string("cue", "very", "--zeroshot=sentiment: the word appended before the label words")
+_THRESHOLD = flags.DEFINE_float("threshold", None, "--zeroshot=acceptability: a fixed threshold on the mean "
+                                "log-probability per token")
+_THRESHOLD_SPLIT = flags.DEFINE_string("threshold_split", "", "--zeroshot=acceptability: choose the threshold on "
+                                       "this split (best Matthews correlation)")
 
 
 def main(args):
@@ -63,6 +71,12 @@ def _run(config, mode):
     from lm_jax import finetune
     path, metrics = finetune.predict(config, _WORKDIR.value)
     print(f"predictions: {path}" + "".join(f" | {k} {v:.4f}" for k, v in metrics.items()), flush=True)
+  elif mode == "zeroshot":
+    import json
+    from lm_jax import zeroshot
+    result = zeroshot.run(config, _WORKDIR.value, _ZEROSHOT.value, cue=_CUE.value, threshold=_THRESHOLD.value,
+                          threshold_split=_THRESHOLD_SPLIT.value)
+    print(json.dumps(result), flush=True)
   else:
     if not _EXPORT_DIR.value:
       raise app.UsageError("--export_dir is required for --mode=export")

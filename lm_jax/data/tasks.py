@@ -5,8 +5,11 @@ config.task picks the source: `files`, a glob of .tsv / .jsonl in which `{split}
 array_record data source as data.tfds_name). `text_fields` names one field, or two for sentence pairs;
 `label_field` the label. In a .tsv a header row naming the fields picks the columns; without a header the fields
 are column numbers (text_fields=("0",), label_field="1"). Labels are class numbers 0..num_labels-1, or with
-`label_names` those names as written in the data (e.g. entailment / neutral / contradiction); with
-model.num_labels = 1 they are regression targets (STS-B). Splits take TFDS slice syntax (train[:10%]).
+`label_names` also those names as written in the data (e.g. entailment / neutral / contradiction); with
+model.num_labels = 1 they are regression targets (STS-B); with model.num_labels = 0 they are text, kept as written
+(the free-form targets of T5's text-to-text tasks). Multiple choice: `choice_fields` names the K answers,
+text_fields the one context; the label is the index of the right answer (Example.segments: context, answers).
+Splits take TFDS slice syntax (train[:10%]).
 
 A record that cannot be used (empty text, a malformed line, an unknown label) is counted and skipped, like a bad
 document. A record without a label (a GLUE test split; TFDS marks it -1) is kept with label None: it gets a
@@ -15,6 +18,7 @@ prediction but counts in no metric.
 import dataclasses
 import glob
 import json
+import logging
 import math
 import os
 
@@ -26,8 +30,8 @@ from lm_jax.data import sources
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-  texts: tuple            # one or two strings
-  label: int | float | None
+  texts: tuple            # one or two strings; multiple choice: the context and the K answers
+  label: int | float | str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,34 +39,49 @@ class Example:
   """A tokenized record: segments (one int32 token array per text), label (None = unlabelled), its position in
   the split (for predictions)."""
   segments: tuple
-  label: int | float | None
+  label: int | float | str | None
   index: int
+
+
+def _classes(config) -> int:
+  """Label values: the answers of a multiple-choice task, else model.num_labels (1 = regression)."""
+  return len(config.task.get("choice_fields", ())) or config.model.get("num_labels", 0)
+
+
+def _fields(config) -> tuple:
+  return (*config.task.text_fields, *config.task.get("choice_fields", ()))
 
 
 def check(config):
   """One-line ValueError naming the config.task field that cannot describe a task."""
-  t, n = config.task, config.model.get("num_labels", 0)
+  t, n = config.task, _classes(config)
   if bool(t.files) == bool(t.tfds_name):
     raise ValueError("config.task: set exactly one of files (e.g. '/data/sst2/{split}.tsv') and tfds_name "
                      f"(e.g. 'glue/sst2'), got files={t.files!r}, tfds_name={t.tfds_name!r}")
   if not 1 <= len(t.text_fields) <= 2 or not all(isinstance(f, str) and f for f in t.text_fields):
     raise ValueError(f"config.task.text_fields must name one or two fields, got {t.text_fields!r}")
+  choices = t.get("choice_fields", ())
+  if choices and (len(choices) < 2 or len(t.text_fields) != 1 or not all(isinstance(f, str) and f for f in choices)):
+    raise ValueError(f"config.task.choice_fields must name two or more answer fields, with one context in "
+                     f"text_fields, got choice_fields={choices!r}, text_fields={t.text_fields!r}")
   if t.label_names and (n == 1 or len(t.label_names) != n):
-    raise ValueError(f"config.task.label_names has {len(t.label_names)} names but config.model.num_labels={n}"
+    raise ValueError(f"config.task.label_names has {len(t.label_names)} names but "
+                     + (f"config.task.choice_fields has {n} answers" if choices else f"config.model.num_labels={n}")
                      + (" (regression)" if n == 1 else ""))
 
 
 def records(config, split: str):
   """The records of `split` (a list, or lazy random access for a large TFDS split), with .path."""
-  t, n = config.task, config.model.get("num_labels", 0)
-  convert = _Labels(tuple(t.label_names), n)
+  t = config.task
+  convert = _Labels(tuple(t.label_names), _classes(config))
   if t.files:
-    return _file_records(t.files, split, tuple(t.text_fields), t.label_field, convert)
-  return _tfds_records(t.tfds_name, config.data.tfds_data_dir, split, tuple(t.text_fields), t.label_field, convert)
+    return _file_records(t.files, split, _fields(config), t.label_field, convert)
+  return _tfds_records(t.tfds_name, config.data.tfds_data_dir, split, _fields(config), t.label_field, convert)
 
 
 class _Labels:
-  """Raw label -> class number, float target (num_labels == 1), None (missing) or sources.Bad."""
+  """Raw label -> class number, float target (num_labels == 1), text (num_labels == 0), None (missing) or
+  sources.Bad."""
 
   def __init__(self, names: tuple, num_labels: int, missing=None):
     self.names, self.num_labels, self.missing = names, num_labels, missing
@@ -75,8 +94,10 @@ class _Labels:
     if self.num_labels == 1:
       value = _number(raw, float)
       return value if value is not None and math.isfinite(value) else sources.Bad("malformed")
-    if isinstance(raw, str) and self.names:
-      return self.names.index(raw) if raw in self.names else sources.Bad("malformed")
+    if self.num_labels == 0:     # text targets (text_to_text): the label as written
+      return raw if isinstance(raw, str) else str(raw)
+    if isinstance(raw, str) and raw in self.names:
+      return self.names.index(raw)
     value = _number(raw, int)
     return value if value is not None and 0 <= value < self.num_labels else sources.Bad("malformed")
 
@@ -138,6 +159,9 @@ def _tsv(path, lines, fields, label_field, labels) -> list:
   elif all(f in header for f in fields):
     columns, lines = [header.index(f) for f in fields], lines[1:]
     label = header.index(label_field) if label_field in header else None
+    if label is None:
+      logging.warning("data: %s has no column %r (its header: %s): its records are unlabelled, predicted but in no "
+                      "metric", path, label_field, header)
   else:
     raise ValueError(f"config.task.text_fields={fields!r} / label_field={label_field!r}: {path} has no header row "
                      f"naming them (its first row: {header[:6]!r}); for a file without a header give column "

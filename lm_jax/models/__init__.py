@@ -18,6 +18,7 @@ import jax
 from lm_jax.models import layers
 
 FAMILIES = ("bert", "gpt", "t5")
+REFERENCE = "reference"   # the params subtree of a model.frozen_reference copy
 
 
 def family_name(model_cfg_or_family) -> str:
@@ -64,9 +65,12 @@ def validate(model_cfg) -> None:
 
 
 def _boxed_init(model_cfg, rng):
+  """With model.frozen_reference the params also hold a copy of themselves under REFERENCE (the frozen reference
+  model of DPO, lm_jax/objectives/dpo.py; finetune freezes it and fills it from init_from); apply ignores it."""
   cfg = layers.frozen(model_cfg)
   mod = family_module(cfg)
-  return mod.Model(cfg).init({"params": rng}, mod.example_batch(cfg))["params"]
+  params = mod.Model(cfg).init({"params": rng}, mod.example_batch(cfg))["params"]
+  return {**params, REFERENCE: params} if cfg.get("frozen_reference", False) else params
 
 
 def init(model_cfg, rng: jax.Array) -> dict:

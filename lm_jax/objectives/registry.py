@@ -26,8 +26,9 @@ class Objective:
   features: Callable      # config -> {name: (per-example shape, numpy dtype)}
   denominators: Callable  # batch -> {name: scalar} of the FULL batch, each >= 1
   loss: Callable          # (config, params, batch, den, *, rng, train) -> (loss, metrics); sums / den
-  metric_denominators: dict = dataclasses.field(default_factory=dict)  # metric -> den key; default: the first
+  metric_denominators: dict = dataclasses.field(default_factory=dict)  # metric -> den key; default: min(den keys)
   predict: Callable | None = None  # (config, params, batch) -> per-example {prediction, label, weight, index}
+  added_tokens: int = 0  # special tokens appended to the pre-trained vocabulary (finetune.resolve)
   loop: Callable | None = None     # (config, workdir, *, devices) -> result: a trainer of its own (PPO)
 
   def tokens_per_example(self, config) -> int:
@@ -35,8 +36,10 @@ class Objective:
     return lengths.inputs + lengths.targets
 
   def denominator_of(self, metric: str, den: dict) -> str:
-    """The denominator key `metric` is divided by (for exact corpus-level eval sums)."""
-    return self.metric_denominators.get(metric, next(iter(den)))
+    """The denominator key `metric` is divided by (for exact corpus-level eval sums): its metric_denominators entry,
+    else the alphabetically first key (jit returns dicts with sorted keys, so 'first' must not mean insertion
+    order); objectives with several denominators list their metrics."""
+    return self.metric_denominators.get(metric, min(den))
 
   def flops_per_example(self, config) -> float:
     """Training matmul FLOPs of one example (lm_jax.flops), the numerator of MFU."""
