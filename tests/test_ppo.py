@@ -127,7 +127,7 @@ def test_adaptive_kl_controller():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"ppo.reward_fn": "nope"}, "config.ppo.reward_fn='nope' is unknown; known: count_e"),
+    ({"ppo.reward_fn": "nope"}, "config.ppo.reward_fn='nope' is unknown; known: count_e, toy_preference"),
     ({"ppo.reward_fn": ""}, "config.objective='ppo' needs config.ppo.reward_from (a reward model's workdir) or "
                             "config.ppo.reward_fn"),
     ({"ppo.max_new_tokens": 57}, "config.ppo.prompt_len + max_new_tokens = 65 exceeds config.model.max_positions=64"),

@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lm_jax import checkpoint, decoding, finetune, metrics_log, models, sharding, step, train as train_lib
 from lm_jax.data import pipeline
-from lm_jax.objectives import clm
+from lm_jax.objectives import clm, reward as reward_lib
 from lm_jax.rlhf import ppo_math, rewards
 
 TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record, with tokens_per_sec
@@ -92,9 +92,12 @@ def assemble(prompts, responses, prompt_len: int, max_new_tokens: int, pad_id: i
 
 
 # ----------------------------------------------------------------------------------------------------- the models
+def _inputs(batch):
+  return {k: batch[k] for k in ("input_ids", "attention_mask", "positions")}
+
+
 def _apply(model_cfg, params, batch):
-  inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "positions")}
-  return models.apply(model_cfg, params, inputs)
+  return models.apply(model_cfg, params, _inputs(batch))
 
 
 def _responses(config, x):
@@ -113,13 +116,6 @@ def _policy_out(config, params, batch):
 
 def _values(config, params, batch):
   return _responses(config, _apply(config.model, params, batch)["scores"])[..., 0]
-
-
-def _last_token_score(model_cfg, params, batch):
-  """A reward model's score of each whole sequence: scores at its last non-padding position."""
-  last = batch["input_ids"].shape[1] - 1 - jnp.argmax(batch["attention_mask"][:, ::-1], axis=1)
-  scores = _apply(model_cfg, params, batch)["scores"][..., 0]
-  return jnp.take_along_axis(scores, last[:, None], axis=1)[:, 0]
 
 
 # ---------------------------------------------------------------------------------------------- the two updates
@@ -224,7 +220,7 @@ class Run:
   reward_fn: object        # config.ppo.reward_fn's function or None
   prompts: list
   score: object            # the jitted scoring pass
-  initial: dict            # params: policy (= the frozen reference), value, reward (None with an exact reward)
+  initial: dict            # params: policy (= the frozen reference), value, reward_model (None with an exact reward)
 
 
 def build(config, workdir: str, devices=None) -> Run:
@@ -269,7 +265,7 @@ def _initial_params(s: train_lib.Setup, policy: _Part, value: _Part, reward_mode
     reward = finetune.pretrained_params(_replace(c, model=reward_model, init_from=c.ppo.reward_from), s.mesh, s.rules)
   value_params, _ = finetune.initial_params(value.config, fresh(value), params if reward is None else reward)
   put = lambda tree, part: jax.device_put(tree, part.sharding["params"])
-  return {"policy": put(params, policy), "value": put(value_params, value), "reward": reward}
+  return {"policy": put(params, policy), "value": put(value_params, value), "reward_model": reward}
 
 
 # --------------------------------------------------------------------------------------------- the scoring pass
@@ -284,7 +280,7 @@ def _scoring_pass(config, value_model, reward_model, mesh):
     logprobs, logits = _policy_out(config, policy, batch)
     ref_logprobs, _ = _policy_out(config, reference, batch)
     values = _values(value_cfg, value, batch) * mask
-    scores = _last_token_score(reward_model, reward, batch) if reward_model else batch["scores"]
+    scores = reward_lib.sequence_rewards(reward_model, reward, _inputs(batch)) if reward_model else batch["scores"]
     token_rewards, kl = ppo_math.token_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
     advantages, returns = ppo_math.gae(token_rewards, values, mask, p.gamma, p.lam)
     targets = dict(logprobs=logprobs * mask, values=values, advantages=ppo_math.whiten(advantages, mask) * mask,
@@ -356,7 +352,7 @@ def iteration(run: Run, state: dict, ptx_it, it: int) -> tuple[dict, dict]:
   if not run.reward_model:
     rows["scores"] = true_reward
   targets, stats = jax.device_get(run.score(state["policy"]["params"], run.initial["policy"],
-                                            state["value"]["params"], run.initial["reward"],
+                                            state["value"]["params"], run.initial["reward_model"],
                                             sharding.global_batch(_local(rows), batch_sh), np.float32(kl_coef)))
   scoring_end = time.perf_counter()
 
@@ -376,11 +372,11 @@ def iteration(run: Run, state: dict, ptx_it, it: int) -> tuple[dict, dict]:
   end = time.perf_counter()
 
   tokens = float(np.sum(stats["length"]))
-  record = {"step": it, "reward": float(np.mean(stats["scores"])),
-            **({"true_reward": float(np.mean(true_reward))} if run.reward_fn and run.reward_model else {}),
-            "kl": float(np.mean(stats["kl"])), "kl_coef": kl_coef, "entropy": float(np.sum(stats["entropy"])) / tokens,
-            "response_length": tokens / c.batch_size, **updates, "tokens_per_sec": tokens / (end - start),
-            "rollout_s": rollout_end - start, "scoring_s": scoring_end - rollout_end, "update_s": end - scoring_end}
+  record = dict(step=it, reward=float(np.mean(stats["scores"])),
+                **({"true_reward": float(np.mean(true_reward))} if run.reward_fn and run.reward_model else {}),
+                kl=float(np.mean(stats["kl"])), kl_coef=kl_coef, entropy=float(np.sum(stats["entropy"])) / tokens,
+                response_length=tokens / c.batch_size, **updates, tokens_per_sec=tokens / (end - start),
+                rollout_s=rollout_end - start, scoring_s=scoring_end - rollout_end, update_s=end - scoring_end)
   if p.kl_target:
     kl_coef = ppo_math.adaptive_kl_coef(kl_coef, record["kl"], p.kl_target, p.kl_horizon, c.batch_size)
   replicated = NamedSharding(mesh, P())
