@@ -346,9 +346,9 @@ def iteration(run: Run, state: dict, ptx_it, it: int) -> tuple[dict, dict]:
   rollout_end = time.perf_counter()
 
   rows = assemble(prompts, responses, p.prompt_len, p.max_new_tokens, tok.pad_id)
-  if run.reward_fn:
-    texts = [tok.decode(r[:-1] if r[-1] == tok.eos_id else r) for r in responses]
-    true_reward = np.array([run.reward_fn(tok.decode(q), t) for q, t in zip(prompts, texts)], np.float32)
+  if run.reward_fn:   # ids past the tokenizer's pieces (a model vocabulary larger than the tokenizer) have no text
+    text = lambda ids: tok.decode([i for i in ids if i < tok.vocab_size and i != tok.eos_id])
+    true_reward = np.array([run.reward_fn(text(q), text(r)) for q, r in zip(prompts, responses)], np.float32)
   if not run.reward_model:
     rows["scores"] = true_reward
   targets, stats = jax.device_get(run.score(state["policy"]["params"], run.initial["policy"],
