@@ -121,9 +121,11 @@ def _parse(text: str, kind: type):
 def _suggestion(config, field: str) -> str:
   """'; did you mean X?': a close name in the same group, a name whose initials match (learning_rate -> lr),
   the same name in another group, or a close dotted path."""
-  paths = list(_fields(config))
+  fields = _fields(config)
+  paths = list(fields)
   parent, _, leaf = field.rpartition(".")
-  siblings = {p.rpartition(".")[2]: p for p in paths if p.rpartition(".")[0] == parent}
+  siblings = {p.rpartition(".")[2]: p for p in paths   # fields, not groups: 'lr' is not the group 'lora'
+              if p.rpartition(".")[0] == parent and not isinstance(fields[p], ml_collections.ConfigDict)}
   initials = lambda name: "".join(w[0] for w in name.split("_") if w)
   close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
   close = close or [s for s in siblings if initials(leaf) == s or initials(s) == leaf]

@@ -89,6 +89,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.rlhf.template = ""            # chat template with {prompt}, e.g. "Human: {prompt}\n\nAssistant:"; "" = as is
   c.rlhf.margin = 0.0             # reward model: loss -log sigmoid(r_chosen - r_rejected - margin)
   c.rlhf.dpo_beta = 0.1           # DPO's beta (Rafailov et al. 2023)
+
+  c.lora = ml_collections.ConfigDict()   # LoRA adapters (lm_jax/peft/lora.py, docs/lora.md)
+  c.lora.rank = 0                 # r; 0 = off
+  c.lora.alpha = 16.0             # scale alpha / r (alpha / sqrt(r) with rslora)
+  c.lora.dropout = 0.0            # PEFT's lora_dropout; must be 0 (adapters are merged into the kernels)
+  c.lora.targets = ("attention/(query|value)/",)   # regexes over Dense kernel paths, e.g. "kernel" = all of them
+  c.lora.rslora = False
+  c.lora.modules_to_save = ("^classifier/",)       # params that train fully beside the adapters (the task head)
+  c.lora.init_from = ""           # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
+  c.qlora = False                 # frozen Dense kernels stored as NF4 (double quantisation), adapters float32
   return c
 
 

@@ -35,6 +35,7 @@ from etils import epath
 
 from lm_jax import checkpoint, models, objectives, sharding
 from lm_jax.models import layers
+from lm_jax.peft import lora
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
 RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
@@ -210,7 +211,8 @@ def _frozen_looped(model_cfg, patterns) -> dict:
 
 
 def check(config):
-  """One-line ValueError naming the config.finetune field that cannot apply to config.model."""
+  """One-line ValueError naming the config.finetune (or config.lora) field that cannot apply to config.model."""
+  lora.check(config)
   patterns, top = _patterns(config), config.finetune.reinit_top_layers
   if not 0 <= top <= config.model.num_layers:
     raise ValueError(f"config.finetune.reinit_top_layers must be in [0, model.num_layers={config.model.num_layers}],"
@@ -244,7 +246,10 @@ def check(config):
 
 
 def trainable_mask(config) -> dict | None:
-  """Bool tree over config.model's params (in its layout): False for the frozen ones; None when nothing is."""
+  """Bool tree over config.model's params (in its layout): False for the frozen ones; None when nothing is. With
+  LoRA the adapters and lora.modules_to_save train (lm_jax.peft.lora.trainable_mask)."""
+  if lora.enabled(config):
+    return lora.trainable_mask(config)
   patterns = _patterns(config)
   if not patterns:
     return None
@@ -286,7 +291,9 @@ def merge(a: dict, b: dict) -> dict:
 
 
 def trainable_count(config) -> tuple[int, int]:
-  """(trainable, total) parameter counts of config.model under config.finetune.freeze."""
+  """(trainable, total) parameter counts of config.model under config.finetune.freeze (or LoRA)."""
+  if lora.enabled(config):
+    return lora.count(config)
   abstract = models.abstract_params(config.model)
   return models.count(split(abstract, trainable_mask(config))[0]), models.count(abstract)
 

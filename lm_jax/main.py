@@ -20,6 +20,8 @@ _MODE = flags.DEFINE_enum("mode", "train",
                           "what to do (predict: task.test_split predictions of a fine-tuned model as a TSV; "
                           "zeroshot: GPT-1's zero-shot heuristics on config.task, docs/zeroshot.md)")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
+_EXPORT_MERGED = flags.DEFINE_bool("export_merged", False, "--mode=export of a LoRA run: the model with its adapters "
+                                   "merged, instead of the base model + adapter/ in the PEFT format")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "--mode=generate: a prompt; --mode=fill_mask: a text with "
                                     "[MASK]s (repeatable)")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "--mode=generate: tokens to generate per prompt")
@@ -80,7 +82,7 @@ def _run(config, mode):
   else:
     if not _EXPORT_DIR.value:
       raise app.UsageError("--export_dir is required for --mode=export")
-    train.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value)
+    train.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value, merged=_EXPORT_MERGED.value)
 
 
 def _print_generations(config):

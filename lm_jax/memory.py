@@ -2,11 +2,13 @@
 
   python -m lm_jax.memory --config=configs/bert.py:large --devices=16 --config.mesh.fsdp=16
 
-params, optimizer state: exact. The real abstract params (models.abstract_params) and optimizer state
-  (jax.eval_shape of optim.make's init) are placed by the trainer's own rules (sharding.logical_to_sharding,
-  opt_state_sharding) on an AbstractMesh of the requested sizes; bytes = sum of shard sizes.
-gradients: float32 copy of the params' shards (step.py casts them), twice with microbatches (accumulator
-  plus the current microbatch's gradient).
+params, optimizer state: exact. The train state's abstract params and optimizer state (step.state_layout) are
+  placed by the trainer's own rules (sharding.logical_to_sharding, opt_state_sharding) on an AbstractMesh of the
+  requested sizes; bytes = sum of shard sizes, also shown per parameter (NF4-quantised weights, lm_jax.peft.nf4,
+  count as the weights they stand for: ~0.516 bytes each).
+gradients: float32 copy of the trainable params' shards (step.py casts them; finetune.trainable_mask: frozen
+  params, LoRA's base and its NF4 weights get none), twice with microbatches (accumulator plus the current
+  microbatch's gradient).
 activations: analytic, what the backward pass keeps per layer (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models", §4 without sequence parallelism), per token, with
   D = d_model, A = heads*head_dim / t, F = d_ff / t, H = heads / t, t = the mesh size `heads`/`mlp` map to:
@@ -32,19 +34,22 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AbstractMesh
 
-from lm_jax import models, objectives, sharding, step
+from lm_jax import finetune, models, objectives, sharding, step
 from lm_jax.models import layers, t5
+from lm_jax.peft import nf4
 
 GiB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-  """Bytes per device. `mesh` is (data, fsdp, tensor); `rows` = examples per device per microbatch."""
+  """Bytes per device. `mesh` is (data, fsdp, tensor); `rows` = examples per device per microbatch;
+  `param_count` = parameters per device that `params` bytes hold."""
   mesh: tuple
   rows: int
   remat: str
   params: int
+  param_count: int
   opt_state: int
   grads: int
   activations: int
@@ -63,12 +68,26 @@ def format_table(est: Estimate) -> str:
           f"{est.rows} rows/device, remat={est.remat}")
   rows = [("params", est.params), ("optimizer state", est.opt_state), ("gradients", est.grads),
           ("activations (approx.)", est.activations), ("total", est.total)]
-  return "\n".join([head] + [f"  {name:<22} {b / GiB:9.3f} GiB" for name, b in rows])
+  lines = [f"  {name:<22} {b / GiB:9.3f} GiB" for name, b in rows]
+  lines[0] += f"  ({est.params / max(est.param_count, 1):.3f} bytes/param)"
+  return "\n".join([head] + lines)
 
 
 def _sharded_bytes(abstract, shardings) -> int:
   return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
              for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+
+
+def param_bytes(abstract_params, shardings) -> tuple[int, int]:
+  """Per device: (bytes, parameters they hold) of abstract params placed by `shardings`; an NF4 weight holds the
+  share of its parameters that its parts' shards hold of its bytes."""
+  nbytes = count = 0
+  for a, s in zip(jax.tree.leaves(abstract_params, is_leaf=nf4.is_nf4),
+                  jax.tree.structure(abstract_params, is_leaf=nf4.is_nf4).flatten_up_to(shardings)):
+    local = _sharded_bytes(a, s)
+    nbytes += local
+    count += math.prod(a.shape) * local // nf4.storage(a)[0] if nf4.is_nf4(a) else local // np.dtype(a.dtype).itemsize
+  return nbytes, count
 
 
 def _mesh_size(rules, sizes: dict, logical: str) -> int:
@@ -146,13 +165,13 @@ def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
   _, _, abstract, state_sh = step.state_layout(config, abstract_mesh, rules)
   params_sh, abstract_opt, opt_sh = state_sh["params"], abstract["opt_state"], state_sh["opt_state"]
 
-  param_elems = sum(math.prod(s.shard_shape(a.shape))
-                    for a, s in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(params_sh)))
-  grads = 4 * param_elems * (2 if config.microbatches > 1 else 1)
+  params, param_count = param_bytes(abstract["params"], params_sh)
+  mask = finetune.trainable_mask(config)
+  trainable = param_bytes(finetune.split(abstract["params"], mask)[0], finetune.split(params_sh, mask)[0])[1]
+  grads = 4 * trainable * (2 if config.microbatches > 1 else 1)
   rows = -(-config.batch_size // (config.microbatches * _mesh_size(rules, sizes, "batch")))
   div = {name: _mesh_size(rules, sizes, name) for name in ("heads", "mlp", "vocab")}
-  return Estimate(mesh=mesh, rows=rows, remat=config.model.remat_policy,
-                  params=_sharded_bytes(abstract_params, params_sh),
+  return Estimate(mesh=mesh, rows=rows, remat=config.model.remat_policy, params=params, param_count=param_count,
                   opt_state=_sharded_bytes(abstract_opt, opt_sh), grads=grads,
                   activations=activation_bytes(config, rows, div))
 

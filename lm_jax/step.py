@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import finetune, models, optim, sharding
+from lm_jax import finetune, optim, sharding
+from lm_jax.peft import lora
 
 
 def init_state(params, tx, trainable=None) -> dict:
@@ -20,9 +21,10 @@ def init_state(params, tx, trainable=None) -> dict:
 
 def state_layout(config, mesh, rules):
   """(optimizer, lr schedule, abstract train state, its shardings on `mesh`), allocating nothing."""
-  tx, lr = optim.make(config, models.logical_axes(config.model))
-  abstract_params = models.abstract_params(config.model)
-  params_sh = sharding.logical_to_sharding(models.logical_axes(config.model), mesh, rules)
+  logical = lora.logical_axes(config)   # the model's, plus LoRA adapters when config.lora.rank > 0
+  tx, lr = optim.make(config, logical)
+  abstract_params = lora.abstract_params(config)
+  params_sh = sharding.logical_to_sharding(logical, mesh, rules)
   trainable = finetune.trainable_mask(config)
   abstract = jax.eval_shape(lambda p: init_state(p, tx, trainable), abstract_params)
   opt_sh = sharding.opt_state_sharding(abstract["opt_state"], abstract_params, params_sh, mesh)
@@ -33,7 +35,7 @@ def fresh_state(config, tx, state_sharding) -> dict:
   """Fresh train state, initialised directly into its shardings."""
   key = jax.random.fold_in(jax.random.key(config.seed), 0)
   trainable = finetune.trainable_mask(config)
-  init = lambda k: init_state(models.init(config.model, k), tx, trainable)
+  init = lambda k: init_state(lora.init_params(config, k), tx, trainable)
   return jax.jit(init, out_shardings=state_sharding)(key)
 
 
@@ -48,13 +50,15 @@ def _split(batch, n, mesh):
 
 def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
   """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars. Only the
-  trainable params (config.finetune.freeze) are differentiated and updated; frozen ones pass through as they are."""
+  trainable params (config.finetune.freeze, or LoRA's adapters) are differentiated and updated; frozen ones pass
+  through as they are. The model runs lora.materialize(params): adapters merged, NF4 kernels dequantised."""
   n = config.microbatches
   seed_key = jax.random.key(config.seed)
   trainable_mask = finetune.trainable_mask(config)
 
   def loss_fn(params, frozen, batch, den, rng):
-    return objective.loss(config, finetune.merge(params, frozen), batch, den, rng=rng, train=True)
+    full = lora.materialize(config, finetune.merge(params, frozen))
+    return objective.loss(config, full, batch, den, rng=rng, train=True)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -92,6 +96,7 @@ def make_eval_step(config, objective, params_sharding, mesh):
   per-example outputs of objective.predict ({} without)), no dropout; lm_jax.evaluate turns them into corpus-level
   totals."""
   def step(params, batch):
+    params = lora.materialize(config, params)
     den = objective.denominators(batch)
     _, metrics = objective.loss(config, params, batch, den, rng=None, train=False)
     outputs = objective.predict(config, params, batch) if objective.predict else {}

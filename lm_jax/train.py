@@ -6,6 +6,7 @@ The hot loop never waits for the device: metrics stay on device and are fetched 
 """
 import dataclasses
 import math
+import os
 import time
 from typing import Callable
 
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 
 from lm_jax import checkpoint, config_lib, evaluate, finetune, hardware, metrics_log, objectives, sharding, step
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
+from lm_jax.peft import lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +90,7 @@ def _init_or_restore(s: Setup, mngr, train_it):
   if restored is None:
     state = step.fresh_state(s.config, s.tx, s.state_sharding)
     if s.config.init_from:   # pre-trained params; new heads keep the seeded init (optimizer states are zeros)
-      pretrained = finetune.pretrained_params(s.config, s.mesh, s.rules)
+      pretrained = lora.prepare(s.config, finetune.pretrained_params(s.config, s.mesh, s.rules))
       params, report = finetune.initial_params(s.config, state["params"], pretrained)
       state = dict(state, params=jax.device_put(params, s.state_sharding["params"]))
       _print(report)
@@ -218,7 +220,7 @@ def _params_from_hf(config, workdir: str):
     config.model = model_cfg
     config.data.tokenizer = config.data.tokenizer or config.init_from
   s = setup(config, workdir)
-  return s, jax.device_put(params, s.state_sharding["params"]), 0
+  return s, jax.device_put(lora.prepare(s.config, params, fill=True), s.state_sharding["params"]), 0
 
 
 def _has_checkpoint(workdir: str) -> bool:
@@ -256,14 +258,23 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
   return record
 
 
-def export_checkpoint(config, workdir: str, export_dir: str):
-  """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf)."""
+def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = False):
+  """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf).
+  A LoRA run writes its base model there and its adapters in the PEFT format to export_dir/adapter, or with
+  `merged` the model with the adapters merged in."""
   from lm_jax.hf import export
+  from lm_jax.peft import peft_format
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
-    export.save_hf(s.config.model, jax.device_get(params), export_dir, tokenizer=s.tokenizer)
+    params = jax.device_get(params)
+    plain = lora.base(s.config, params)
+    if merged and lora.enabled(s.config):
+      plain = jax.device_get(lora.merge(plain, params[lora.KEY], lora.scale(s.config)))
+    export.save_hf(s.config.model, plain, export_dir, tokenizer=s.tokenizer)
+    if lora.enabled(s.config) and not merged:
+      peft_format.save(s.config, params, os.path.join(export_dir, "adapter"))
   _print(f"exported step {latest} to {export_dir}")
   return export_dir

@@ -135,3 +135,12 @@ def from_hf(cfg, tensors: dict) -> dict:
   params |= convert.stack_from_hf(tensors, _LAYER, shapes, cfg.num_layers, prefix + "encoder.layer.{i}.",
                                   cfg.scan_layers)
   return convert.as_params(cfg, params)
+
+
+def table(cfg) -> list:
+  """(HF name, looped param path, kind) of every tensor to_hf writes."""
+  heads, prefix = _heads(cfg)
+  return ([("bert." + hf, path, kind) for hf, path, kind in _BODY]
+          + [(prefix + hf, path, kind) for hf, path, kind in heads]
+          + [(f"bert.encoder.layer.{i}.{hf}", (f"layers_{i}", *path), kind)
+             for i in range(cfg.num_layers) for hf, path, kind in _LAYER])

@@ -83,3 +83,9 @@ def from_hf(cfg, tensors: dict) -> dict:
   params = convert.tree_from_hf(tensors, _TOP, shapes)
   params |= convert.stack_from_hf(tensors, _LAYER, shapes, cfg.num_layers, "transformer.h.{i}.", cfg.scan_layers)
   return convert.as_params(cfg, params)
+
+
+def table(cfg) -> list:
+  """(HF name, looped param path, kind) of every tensor, c_attn's thirds under their pseudo names attn.<query|...>."""
+  return _TOP + [(f"transformer.h.{i}.{hf}", (f"layers_{i}", *path), kind)
+                 for i in range(cfg.num_layers) for hf, path, kind in _LAYER]

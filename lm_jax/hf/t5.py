@@ -121,3 +121,12 @@ def from_hf(cfg, tensors: dict) -> dict:
   if unused:
     raise convert.TensorError(unused[0], f"is not used by the config ({len(unused)} tensors are not)")
   return convert.as_params(cfg, params)
+
+
+def table(cfg) -> list:
+  """(HF name, looped param path, kind) of every tensor to_hf writes."""
+  out = list(_top_table(cfg))
+  for stack, n, prefix, layer_table in _stacks(cfg):
+    out += [(prefix.format(i=i) + hf, (stack, f"layers_{i}", *path), kind)
+            for i in range(n) for hf, path, kind in layer_table]
+  return out

@@ -91,8 +91,16 @@ def logical_axes(model_cfg) -> dict:
   return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(model_cfg, jax.random.PRNGKey(0))))
 
 
+def _plain(params: dict) -> None:
+  """Params still holding LoRA adapters would run without them: refuse them."""
+  if "lora" in params:
+    raise ValueError("params hold LoRA adapters (params['lora']), which the model would ignore; pass "
+                     "lm_jax.peft.lora.materialize(config, params)")
+
+
 def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:
   """Forward pass; dropout only when train=True (rng required then)."""
+  _plain(params)
   if train and rng is None:
     raise ValueError("models.apply(train=True) needs an rng for dropout")
   cfg = layers.frozen(model_cfg)
@@ -103,6 +111,7 @@ def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None,
 def init_cache(model_cfg, params: dict, batch: dict, max_length: int) -> dict:
   """KV cache for decoding up to `max_length` positions. GPT: sized for batch['input_ids'] (params
   unused); T5: also runs the encoder on batch['input_ids'/'attention_mask'] once."""
+  _plain(params)
   return family_module(model_cfg).init_cache(layers.frozen(model_cfg), params, batch, max_length)
 
 
@@ -110,6 +119,7 @@ def decode_step(model_cfg, params: dict, input_ids: jax.Array, cache: dict,
                 attention_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Feeds the next (decoder) tokens (B,T) at cache['index'] -> (their logits (B,T,V), updated cache).
   attention_mask (B,T) marks padding among the new tokens. Jit it with model_cfg closed over."""
+  _plain(params)
   return family_module(model_cfg).decode_step(layers.frozen(model_cfg), params, input_ids, cache, attention_mask)
 
 
