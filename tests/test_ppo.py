@@ -133,6 +133,7 @@ def test_adaptive_kl_controller():
     ({"ppo.max_new_tokens": 57}, "config.ppo.prompt_len + max_new_tokens = 65 exceeds config.model.max_positions=64"),
     ({"ppo.minibatches": 3}, "config.ppo.minibatches=3 must be >= 1 and divide config.batch_size=32"),
     ({"ppo.lam": 1.5}, "config.ppo.lam must be in [0, 1], got 1.5"),
+    ({"lora.rank": 8}, "config.objective='ppo' does not support LoRA / QLoRA yet"),
 ])
 def test_config_mistakes_are_one_line(overrides, message):
   config = config_lib.load("configs/rlhf/ppo.py:tiny", overrides)
