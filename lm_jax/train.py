@@ -187,7 +187,11 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
 # ----------------------------------------------------------------------------------------------- entry points
 def train(config, workdir: str, *, devices=None) -> dict:
   """Trains (or resumes) to config.phase_end_step or total_steps. Returns {'step', 'train': last train
-  record, 'eval': last eval record, 'state': final train state}."""
+  record, 'eval': last eval record, 'state': final train state}. An objective with a loop of its own (PPO) runs
+  that instead."""
+  loop = objectives.get(config.objective).loop
+  if loop:
+    return loop(config, workdir, devices=devices)
   s = setup(config, workdir, devices)
   trainable, total = finetune.trainable_count(s.config)
   _print(f"parameters: {trainable:,} trainable of {total:,}")

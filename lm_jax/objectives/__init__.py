@@ -18,15 +18,17 @@ specific to it, so no other module branches on its name:
                    lm_jax.evaluate.prediction_metrics) and --mode=predict writes them
   added_tokens     (optional) special tokens it appends to the pre-trained vocabulary as new embedding rows
                    (finetune.resolve): ids vocab_size - added_tokens .. vocab_size - 1, unknown to the tokenizer
+  loop             (optional) (config, workdir, *, devices) -> result: a training loop of its own that
+                   train.train runs instead of the step loop (PPO: rollouts, scoring, updates)
 
 A test (or a user's script) can register its own objective with `register` and train it through the
 unchanged trainer.
 """
-from lm_jax.objectives import (classify, clm, dpo, gpt_classify, mlm, reward, sft, span_corruption,
+from lm_jax.objectives import (classify, clm, dpo, gpt_classify, mlm, ppo, reward, sft, span_corruption,
                                text_to_text)
 from lm_jax.objectives.registry import Lengths, Objective, get, names, register
 
-for _module in (mlm, clm, span_corruption, classify, gpt_classify, text_to_text, sft, reward, dpo):
+for _module in (mlm, clm, span_corruption, classify, gpt_classify, text_to_text, sft, reward, dpo, ppo):
   register(_module.OBJECTIVE)
 
 

@@ -29,6 +29,7 @@ class Objective:
   metric_denominators: dict = dataclasses.field(default_factory=dict)  # metric -> den key; default: min(den keys)
   predict: Callable | None = None  # (config, params, batch) -> per-example {prediction, label, weight, index}
   added_tokens: int = 0  # special tokens appended to the pre-trained vocabulary (finetune.resolve)
+  loop: Callable | None = None     # (config, workdir, *, devices) -> result: a trainer of its own (PPO)
 
   def tokens_per_example(self, config) -> int:
     lengths = self.lengths(config)

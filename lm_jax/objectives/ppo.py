@@ -1,0 +1,55 @@
+"""PPO from a reward (InstructGPT's third step, Ouyang et al. 2022): an objective with a loop of its own,
+lm_jax.rlhf.ppo.train, which train.train hands the run to. Its data fields are the causal LM's: the pre-training
+stream of PPO-ptx (config.ppo.ptx_coef > 0) read from config.data like a clm run."""
+from lm_jax.objectives import clm
+from lm_jax.objectives.registry import Lengths, Objective
+from lm_jax.rlhf import rewards
+
+
+def _require(ok, message):
+  if not ok:
+    raise ValueError(message)
+
+
+def check(config):
+  p = config.get("ppo")
+  _require(p is not None, "config.objective='ppo' needs the config.ppo group (see configs/rlhf/ppo.py)")
+  _require(bool(p.reward_from) or bool(p.reward_fn), "config.objective='ppo' needs config.ppo.reward_from (a reward "
+           f"model's workdir) or config.ppo.reward_fn (one of {', '.join(sorted(rewards.REWARD_FNS))})")
+  if p.reward_fn:
+    rewards.get(p.reward_fn)
+  _require(bool(p.prompts), "config.ppo.prompts must name the prompt files (.txt: a prompt per line; .jsonl: "
+           "config.ppo.prompt_field)")
+  _require(p.prompt_len >= 1 and p.max_new_tokens >= 1,
+           f"config.ppo.prompt_len and max_new_tokens must be >= 1, got {p.prompt_len} and {p.max_new_tokens}")
+  m = config.model
+  _require(p.prompt_len + p.max_new_tokens <= m.max_positions, f"config.ppo.prompt_len + max_new_tokens = "
+           f"{p.prompt_len + p.max_new_tokens} exceeds config.model.max_positions={m.max_positions}")
+  for name, ok, rule in (("temperature", p.temperature > 0, "> 0"), ("kl_coef", p.kl_coef >= 0, ">= 0"),
+                         ("kl_target", p.kl_target >= 0, ">= 0 (0 = fixed kl_coef)"),
+                         ("kl_horizon", p.kl_horizon > 0, "> 0"), ("gamma", 0 <= p.gamma <= 1, "in [0, 1]"),
+                         ("lam", 0 <= p.lam <= 1, "in [0, 1]"), ("epochs", p.epochs >= 1, ">= 1"),
+                         ("cliprange", p.cliprange > 0, "> 0"), ("cliprange_value", p.cliprange_value > 0, "> 0"),
+                         ("value_lr", p.value_lr >= 0, ">= 0 (0 = optimizer.lr)"),
+                         ("ptx_coef", p.ptx_coef >= 0, ">= 0")):
+    _require(ok, f"config.ppo.{name} must be {rule}, got {p[name]!r}")
+  _require(not config.lora.rank and not config.qlora, "config.objective='ppo' does not support LoRA / QLoRA yet: set "
+           "config.lora.rank=0 and config.qlora=False (config.finetune.freeze limits what trains)")
+  _require(p.minibatches >= 1 and config.batch_size % p.minibatches == 0,
+           f"config.ppo.minibatches={p.minibatches} must be >= 1 and divide config.batch_size={config.batch_size}")
+
+
+def lengths(config):
+  """A rollout: prompt and response read by the scoring pass; the response's positions are scored."""
+  p = config.ppo
+  return Lengths(inputs=p.prompt_len + p.max_new_tokens, targets=0, scored=p.max_new_tokens)
+
+
+def _loop(config, workdir, *, devices=None):
+  from lm_jax.rlhf import ppo   # the loop builds on the trainer, which imports this registry
+  return ppo.train(config, workdir, devices=devices)
+
+
+OBJECTIVE = Objective(name="ppo", families=("gpt",), check=check, lengths=lengths, rows=clm.row_layout,
+                      transform=clm.transform, features=clm.features, denominators=clm.denominators, loss=clm.loss,
+                      loop=_loop)
