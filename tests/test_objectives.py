@@ -225,7 +225,8 @@ def test_clm_never_scores_padding(monkeypatch):
 def test_registry():
   assert {n: objectives.get(n).families for n in ("mlm", "clm", "span_corruption")} == {
       "mlm": ("bert",), "clm": ("gpt",), "span_corruption": ("t5",)}
-  with pytest.raises(ValueError, match="config.objective='prefix_lm' is unknown; known: classify, clm, mlm, span_corruption"):
+  known = "classify, clm, dpo, gpt_classify, mlm, ppo, reward, sft, span_corruption, text_to_text"
+  with pytest.raises(ValueError, match=f"config.objective='prefix_lm' is unknown; known: {known}$"):
     objectives.get("prefix_lm")
 
 
