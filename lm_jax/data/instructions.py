@@ -20,8 +20,7 @@ import os
 
 import numpy as np
 
-from lm_jax.data import corpus as corpus_lib
-from lm_jax.data import rows, sources
+from lm_jax.data import rows, sources, tasks
 
 KINDS = {"instruction": ("response_field",), "preference": ("chosen_field", "rejected_field")}
 
@@ -109,24 +108,12 @@ def _record(line: str, fields: tuple):
   return Record(texts[0], tuple(texts[1:])) if all(isinstance(t, str) for t in texts) else sources.Bad("malformed")
 
 
-class Examples:
-  """The tokenized examples of one split, the corpus of a rows.PerDocument layout: tokens(ids) gives per id an
-  Example, or None for an unusable record (counted in stats)."""
+class Examples(tasks.TokenizedSplit):
+  """Instruction or preference examples (Example: prompt, responses, index)."""
 
   def __init__(self, config, records_, tokenizer):
-    self.docs, self.path, self._tok, self._config = records_, records_.path, tokenizer, config
-    self._cache = {}
-    self.stats = dict(documents=0, empty=0, malformed=0)
-    self.bytes = self.chars = self.tokens_count = 0
-
-  def __len__(self):
-    return len(self.docs)
-
-  def tokens(self, ids: list[int]) -> list:
-    missing = [i for i in dict.fromkeys(ids) if i not in self._cache]
-    for start in range(0, len(missing), corpus_lib.DOCS_PER_CALL):
-      self._tokenize(missing[start:start + corpus_lib.DOCS_PER_CALL])
-    return [self._cache[i] for i in ids]
+    super().__init__(records_, tokenizer, ())
+    self._config = config
 
   def _tokenize(self, ids):
     good = []

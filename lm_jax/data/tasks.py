@@ -224,14 +224,15 @@ def _tfds_records(name, data_dir, split, fields, label_field, labels) -> _TfdsRe
 
 
 # ------------------------------------------------------------------------------------------------- examples
-class Examples:
+class TokenizedSplit:
   """The tokenized examples of one split, in the role of data.corpus.Corpus for a rows.PerDocument layout
-  with a `corpus`: tokens(ids) gives per id an Example, or None for an unusable record (counted in stats)."""
+  with a `corpus`: tokens(ids) gives per id an example, or None for an unusable record (counted in stats).
+  Subclasses tokenize a batch of record ids in _tokenize, filling _cache and the counters."""
 
-  def __init__(self, records_, tokenizer):
+  def __init__(self, records_, tokenizer, stats: tuple):
     self.docs, self.path, self._tok = records_, records_.path, tokenizer
     self._cache = {}
-    self.stats = dict(documents=0, empty=0, undecodable=0, malformed=0, unlabelled=0)
+    self.stats = dict.fromkeys(("documents", "empty", "malformed", *stats), 0)
     self.bytes = self.chars = self.tokens_count = 0
 
   def __len__(self):
@@ -242,6 +243,16 @@ class Examples:
     for start in range(0, len(missing), corpus_lib.DOCS_PER_CALL):
       self._tokenize(missing[start:start + corpus_lib.DOCS_PER_CALL])
     return [self._cache[i] for i in ids]
+
+  def _tokenize(self, ids):
+    raise NotImplementedError
+
+
+class Examples(TokenizedSplit):
+  """Task examples (Example: segments, label, index)."""
+
+  def __init__(self, records_, tokenizer):
+    super().__init__(records_, tokenizer, ("undecodable", "unlabelled"))
 
   def _tokenize(self, ids):
     good = []
