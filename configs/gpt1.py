@@ -8,12 +8,8 @@ def get_config(arg="gpt1"):
   c = defaults.base_config()
   c.objective = "clm"
 
-  m = c.model = defaults.model_defaults("gpt")
-  m.num_layers, m.d_model, m.num_heads, m.d_ff = 12, 768, 12, 3072
-  m.vocab_size = 40478
-  m.max_positions = 512
+  m = c.model = defaults.gpt1_model()
   m.activation = "gelu_tanh"
-  m.layer_norm_eps = 1e-5
 
   # BooksCorpus is no longer distributed: point data.files at your own text.
   c.data.tfds_name = ""

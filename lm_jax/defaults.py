@@ -135,6 +135,16 @@ def model_defaults(family: str) -> ml_collections.ConfigDict:
   return m
 
 
+def gpt1_model() -> ml_collections.ConfigDict:
+  """GPT-1's architecture (Radford et al. 2018, openai/finetune-transformer-lm): 12 layers of 768, 12 heads, d_ff
+  3072, BPE vocabulary 40478, context 512, LayerNorm eps 1e-5. Pre-training uses it; fine-tuning and RLHF configs
+  start from it (their init_from's architecture replaces it)."""
+  m = model_defaults("gpt")
+  m.num_layers, m.d_model, m.num_heads, m.d_ff = 12, 768, 12, 3072
+  m.vocab_size, m.max_positions, m.layer_norm_eps = 40478, 512, 1e-5
+  return m
+
+
 def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Makes `c` the `tiny` variant every configs/*.py offers: a 2-layer, d_model-128 model without dropout on
   Tiny Shakespeare at seq 128, batch 32, 200 steps, so a whole run fits on a CPU. The config sets what is

@@ -46,9 +46,7 @@ def get_config(arg="sst2"):
     raise ValueError(f"configs/finetune/gpt1.py: unknown variant {arg!r}; use {', '.join(known)}")
   c = defaults.base_config()
   c.objective = "gpt_classify"
-  m = c.model = defaults.model_defaults("gpt")
-  m.num_layers, m.d_model, m.num_heads, m.d_ff = 12, 768, 12, 3072   # GPT-1; init_from's architecture wins
-  m.vocab_size, m.max_positions, m.layer_norm_eps = 40478, 512, 1e-5
+  m = c.model = defaults.gpt1_model()   # init_from's architecture wins
   m.dropout_rate = m.attention_dropout_rate = 0.1       # also the classifier's dropout
   m.num_labels = 2
 

@@ -16,9 +16,7 @@ def get_config(arg="gpt1"):
     raise ValueError(f"configs/rlhf/dpo.py: unknown variant {arg!r}; use {', '.join(VARIANTS)}")
   c = defaults.base_config()
   c.objective = "dpo"
-  m = c.model = defaults.model_defaults("gpt")
-  m.num_layers, m.d_model, m.num_heads, m.d_ff = 12, 768, 12, 3072   # GPT-1; init_from's architecture wins
-  m.vocab_size, m.max_positions, m.layer_norm_eps = 40478, 512, 1e-5
+  m = c.model = defaults.gpt1_model()   # init_from's architecture wins
   m.frozen_reference = True             # the reference model: a frozen copy of init_from's params
   m.dropout_rate = m.attention_dropout_rate = 0.0
   c.data.seq_len = 512

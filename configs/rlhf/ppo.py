@@ -19,9 +19,7 @@ def get_config(arg="ppo"):
     raise ValueError(f"configs/rlhf/ppo.py: unknown variant {arg!r}; use ppo or tiny")
   c = defaults.base_config()
   c.objective = "ppo"
-  m = c.model = defaults.model_defaults("gpt")    # init_from's architecture replaces these sizes
-  m.num_layers, m.d_model, m.num_heads, m.d_ff = 12, 768, 12, 3072
-  m.vocab_size, m.layer_norm_eps = 40478, 1e-5
+  m = c.model = defaults.gpt1_model()   # init_from's architecture wins
   m.dropout_rate = m.attention_dropout_rate = 0.0
 
   p = c.ppo = ml_collections.ConfigDict()

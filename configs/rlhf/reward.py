@@ -17,9 +17,7 @@ def get_config(arg="gpt1"):
     raise ValueError(f"configs/rlhf/reward.py: unknown variant {arg!r}; use {', '.join(VARIANTS)}")
   c = defaults.base_config()
   c.objective = "reward"
-  m = c.model = defaults.model_defaults("gpt")
-  m.num_layers, m.d_model, m.num_heads, m.d_ff = 12, 768, 12, 3072   # GPT-1; init_from's architecture wins
-  m.vocab_size, m.max_positions, m.layer_norm_eps = 40478, 512, 1e-5
+  m = c.model = defaults.gpt1_model()   # init_from's architecture wins
   m.num_labels = 1                      # the scalar reward head
   m.dropout_rate = m.attention_dropout_rate = 0.0
   c.data.seq_len = 512

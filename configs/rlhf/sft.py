@@ -21,9 +21,7 @@ def get_config(arg="gpt1"):
     raise ValueError(f"configs/rlhf/sft.py: unknown variant {arg!r}; use {', '.join(VARIANTS)}")
   c = defaults.base_config()
   c.objective = "sft"
-  m = c.model = defaults.model_defaults("gpt")
-  m.num_layers, m.d_model, m.num_heads, m.d_ff = 12, 768, 12, 3072   # GPT-1; init_from's architecture wins
-  m.vocab_size, m.max_positions, m.layer_norm_eps = 40478, 512, 1e-5
+  m = c.model = defaults.gpt1_model()   # init_from's architecture wins
   m.dropout_rate = 0.2                  # InstructGPT's residual dropout for SFT
   c.data.seq_len = 512
   c.data.eval_batches = 0               # the whole dev split
