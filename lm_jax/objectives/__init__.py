@@ -8,7 +8,8 @@ specific to it, so no other module branches on its name:
   lengths          input / target / scored lengths per example: tokens per example and FLOPs per example
                    (Objective.tokens_per_example / flops_per_example) for the trainer, memory and bench/
   rows             how documents become model rows: a data.rows.Stream or data.rows.PerDocument layout
-  transform        rows -> batch features on the host, once per batch (masking, span corruption)
+  transform        rows -> batch features on the host, once per batch (masking, span corruption);
+                   registry.no_transform when the rows already are the batch
   features         the batch features it produces: {name: (per-example shape, dtype)}
   denominators     global normalisers from the FULL batch, so microbatch sums equal the full-batch value
   loss             (config, params, batch, den, *, rng, train) -> (loss, metrics); the metrics are also

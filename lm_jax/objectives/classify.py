@@ -12,7 +12,7 @@ import numpy as np
 from lm_jax import models
 from lm_jax.data import rows, tasks
 from lm_jax.objectives import losses
-from lm_jax.objectives.registry import Lengths, Objective
+from lm_jax.objectives.registry import Lengths, Objective, no_transform
 
 
 def _num_labels(config) -> int:
@@ -74,11 +74,6 @@ def row_layout(config, tokenizer):
       corpus=lambda split: tasks.examples(config, split, tokenizer), padding=lambda n: build([], n))
 
 
-def transform(config, tokenizer):
-  del config, tokenizer
-  return lambda batch_rows, rng: batch_rows
-
-
 def features(config):
   length = config.data.seq_len
   feats = {k: ((length,), np.int32) for k in ("input_ids", "token_type_ids", "attention_mask")}
@@ -114,4 +109,4 @@ def predict(config, params, batch):
 
 
 OBJECTIVE = Objective(name="classify", families=("bert",), check=check, lengths=lengths, rows=row_layout,
-                      transform=transform, features=features, denominators=denominators, loss=loss, predict=predict)
+                      transform=no_transform, features=features, denominators=denominators, loss=loss, predict=predict)

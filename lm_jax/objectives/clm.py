@@ -9,7 +9,7 @@ import numpy as np
 from lm_jax import models
 from lm_jax.data import packing, rows
 from lm_jax.objectives import losses
-from lm_jax.objectives.registry import Lengths, Objective
+from lm_jax.objectives.registry import Lengths, Objective, no_transform
 
 
 def lengths(config):
@@ -21,11 +21,6 @@ def row_layout(config, tokenizer):
   seq_len, pad = config.data.seq_len, tokenizer.pad_id
   return rows.Stream(width=seq_len, separator=tokenizer.eos_id, lookahead=1,
                      build=lambda tokens, docs: packing.causal_rows(tokens, docs, seq_len, pad))
-
-
-def transform(config, tokenizer):
-  del config, tokenizer
-  return lambda batch_rows, rng: batch_rows
 
 
 def features(config):
@@ -53,4 +48,4 @@ def loss(config, params, batch, den, *, rng=None, train=False):
 
 
 OBJECTIVE = Objective(name="clm", families=("gpt",), check=lambda config: None, lengths=lengths, rows=row_layout,
-                      transform=transform, features=features, denominators=denominators, loss=loss)
+                      transform=no_transform, features=features, denominators=denominators, loss=loss)

@@ -25,7 +25,7 @@ import numpy as np
 
 from lm_jax import models
 from lm_jax.data import instructions
-from lm_jax.objectives.registry import Lengths, Objective
+from lm_jax.objectives.registry import Lengths, Objective, no_transform
 
 
 def check(config):
@@ -65,11 +65,6 @@ def row_layout(config, tokenizer):
   real = lambda ex: sum(len(instructions.sequence(ex.prompt, r, width + 1)[0]) - 1 for r in ex.responses)
   return instructions.layout(config, tokenizer, "preference", lambda exs: pair_rows(exs, width, tokenizer.pad_id),
                              real)
-
-
-def transform(config, tokenizer):
-  del config, tokenizer
-  return lambda batch_rows, rng: batch_rows
 
 
 def features(config):
@@ -120,4 +115,4 @@ def loss(config, params, batch, den, *, rng=None, train=False):
 
 
 OBJECTIVE = Objective(name="dpo", families=("gpt",), check=check, lengths=lengths, rows=row_layout,
-                      transform=transform, features=features, denominators=denominators, loss=loss)
+                      transform=no_transform, features=features, denominators=denominators, loss=loss)

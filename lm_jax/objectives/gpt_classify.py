@@ -22,7 +22,7 @@ import numpy as np
 from lm_jax import models
 from lm_jax.data import rows, tasks
 from lm_jax.objectives import losses
-from lm_jax.objectives.registry import Lengths, Objective
+from lm_jax.objectives.registry import Lengths, Objective, no_transform
 
 ADDED_TOKENS = 3        # start, delimiter, extract
 TEXTS = {"classify": 1, "entailment": 2, "similarity": 2, "multiple_choice": 1}   # task.text_fields per format
@@ -129,11 +129,6 @@ def row_layout(config, tokenizer):
       corpus=lambda split: tasks.examples(config, split, tokenizer), padding=lambda n: build([], n))
 
 
-def transform(config, tokenizer):
-  del config, tokenizer
-  return lambda batch_rows, rng: batch_rows
-
-
 def features(config):
   r, length = rows_per_example(config), config.data.seq_len
   return dict(input_ids=((r, length), np.int32), attention_mask=((r, length), np.int32), extract=((r,), np.int32),
@@ -191,5 +186,5 @@ def predict(config, params, batch):
 
 
 OBJECTIVE = Objective(name="gpt_classify", families=("gpt",), check=check, lengths=lengths, rows=row_layout,
-                      transform=transform, features=features, denominators=denominators, loss=loss,
+                      transform=no_transform, features=features, denominators=denominators, loss=loss,
                       predict=predict, added_tokens=ADDED_TOKENS)

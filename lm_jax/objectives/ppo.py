@@ -2,7 +2,7 @@
 lm_jax.rlhf.ppo.train, which train.train hands the run to. Its data fields are the causal LM's: the pre-training
 stream of PPO-ptx (config.ppo.ptx_coef > 0) read from config.data like a clm run."""
 from lm_jax.objectives import clm
-from lm_jax.objectives.registry import Lengths, Objective
+from lm_jax.objectives.registry import Lengths, Objective, no_transform
 from lm_jax.rlhf import rewards
 
 
@@ -51,5 +51,5 @@ def _loop(config, workdir, *, devices=None):
 
 
 OBJECTIVE = Objective(name="ppo", families=("gpt",), check=check, lengths=lengths, rows=clm.row_layout,
-                      transform=clm.transform, features=clm.features, denominators=clm.denominators, loss=clm.loss,
+                      transform=no_transform, features=clm.features, denominators=clm.denominators, loss=clm.loss,
                       loop=_loop)

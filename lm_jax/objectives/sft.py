@@ -14,7 +14,7 @@ import numpy as np
 
 from lm_jax.data import instructions
 from lm_jax.objectives import clm, span_corruption
-from lm_jax.objectives.registry import Lengths, Objective
+from lm_jax.objectives.registry import Lengths, Objective, no_transform
 
 
 def target_len(config) -> int:
@@ -86,11 +86,6 @@ def row_layout(config, tokenizer):
   return instructions.layout(config, tokenizer, "instruction", build, real)
 
 
-def transform(config, tokenizer):
-  del config, tokenizer
-  return lambda batch_rows, rng: batch_rows
-
-
 def _family(config):
   return span_corruption if config.model.family == "t5" else clm
 
@@ -115,4 +110,4 @@ def loss(config, params, batch, den, *, rng=None, train=False):
 
 
 OBJECTIVE = Objective(name="sft", families=("gpt", "t5"), check=check, lengths=lengths, rows=row_layout,
-                      transform=transform, features=features, denominators=denominators, loss=loss)
+                      transform=no_transform, features=features, denominators=denominators, loss=loss)

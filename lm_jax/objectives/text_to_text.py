@@ -24,7 +24,7 @@ from lm_jax import decoding, models
 from lm_jax.data import rows, sources, tasks
 from lm_jax.models import layers
 from lm_jax.objectives import losses
-from lm_jax.objectives.registry import Lengths, Objective
+from lm_jax.objectives.registry import Lengths, Objective, no_transform
 
 STSB_VALUES = tuple(f"{v / 5:.1f}" for v in range(26))   # T5's STS-B targets: 0.0, 0.2, ..., 5.0
 _DECODER_KEYS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
@@ -161,11 +161,6 @@ def row_layout(config, tokenizer):
       corpus=lambda split: tasks.Examples(text_records(config, split), tokenizer), padding=lambda n: build([], n))
 
 
-def transform(config, tokenizer):
-  del config, tokenizer
-  return lambda batch_rows, rng: batch_rows
-
-
 def features(config):
   length, targets = config.data.seq_len, config.data.target_len
   feats = {k: ((length,), np.int32) for k in ("input_ids", "attention_mask")}
@@ -263,6 +258,6 @@ def generate_texts(config, params, tokenizer, split: str, *, batch_size: int = 3
 
 
 OBJECTIVE = Objective(name="text_to_text", families=("t5",), check=check, lengths=lengths, rows=row_layout,
-                      transform=transform, features=features, denominators=denominators, loss=loss, predict=predict,
+                      transform=no_transform, features=features, denominators=denominators, loss=loss, predict=predict,
                       metric_denominators={"loss": "tokens", "token_loss": "tokens", "token_accuracy": "tokens",
                                            "exact_match": "examples", "accuracy": "examples"})
