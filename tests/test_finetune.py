@@ -15,7 +15,7 @@ from lm_jax import config_lib, defaults, evaluate, finetune, metrics_log, models
 from lm_jax.data import pipeline, sources, tasks, tokenizer as tokenizer_lib
 from lm_jax.hf import export
 from lm_jax.objectives import classify
-from test_train import load_config
+from conftest import load_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
