@@ -93,7 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.lora = ml_collections.ConfigDict()   # LoRA adapters (lm_jax/peft/lora.py, docs/lora.md)
   c.lora.rank = 0                 # r; 0 = off
   c.lora.alpha = 16.0             # scale alpha / r (alpha / sqrt(r) with rslora)
-  c.lora.dropout = 0.0            # PEFT's lora_dropout; must be 0 (adapters are merged into the kernels)
+  c.lora.dropout = 0.0            # PEFT's lora_dropout: drops the adapters' input while training
   c.lora.targets = ("attention/(query|value)/",)   # regexes over Dense kernel paths, e.g. "kernel" = all of them
   c.lora.rslora = False
   c.lora.modules_to_save = ("^classifier/",)       # params that train fully beside the adapters (the task head)

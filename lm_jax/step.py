@@ -51,14 +51,16 @@ def _split(batch, n, mesh):
 def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
   """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars. Only the
   trainable params (config.finetune.freeze, or LoRA's adapters) are differentiated and updated; frozen ones pass
-  through as they are. The model runs lora.materialize(params): adapters merged, NF4 kernels dequantised."""
+  through as they are. LoRA adapters run unmerged beside their frozen kernels (lora.unmerged), NF4 kernels
+  dequantised."""
   n = config.microbatches
   seed_key = jax.random.key(config.seed)
   trainable_mask = finetune.trainable_mask(config)
 
   def loss_fn(params, frozen, batch, den, rng):
-    full = lora.materialize(config, finetune.merge(params, frozen))
-    return objective.loss(config, full, batch, den, rng=rng, train=True)
+    full = lora.dequantized(config, finetune.merge(params, frozen))
+    with lora.unmerged(config, train=True):
+      return objective.loss(config, full, batch, den, rng=rng, train=True)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 

@@ -75,6 +75,15 @@ def forward(config):
   return jax.jit(f)
 
 
+def forward_unmerged(config, train=False):
+  """Jitted (run params, batch[, rng]) -> (logits, hidden) through the training path: adapters beside the kernels."""
+  def f(params, b, rng=None):
+    with lora.unmerged(config, train=train):
+      out = models.apply(config.model, lora.dequantized(config, params), b, rng=rng, train=train)
+    return out["logits"], out["hidden"]
+  return jax.jit(f)
+
+
 def theirs(model, b):
   with torch.no_grad():
     out = model(**{k: torch.tensor(v, dtype=torch.long) for k, v in b.items()}, output_hidden_states=True)
@@ -113,6 +122,7 @@ def test_peft_parity_both_ways(family, tmp_path):
   adapted = load_peft(load_hf(family, str(tmp_path / "base")), str(tmp_path / "adapter"))
   logits, hidden, merged = run(params, b)
   close((logits, hidden), theirs(adapted, b))
+  close(forward_unmerged(config)(params, b), theirs(adapted, b))   # the training path: x·W + s·(x·A)·B
   merged = hf.family_module(family).to_hf(config.model, jax.device_get(merged))
   hf_merged = adapted.merge_and_unload().state_dict()
   for name, tensor in merged.items():
@@ -167,7 +177,7 @@ def test_init_merge_unmerge_and_config_errors():
   assert lora.scale(looped) == 8 / 8 and lora.scale(run_config("gpt", rank=4, rslora=True)) == 8 / 2
   with pytest.raises(ValueError, match="params hold LoRA adapters"):
     models.apply(looped.model, params, batch("gpt"))
-  bad = {"lora.targets": (("nothing_here",), "matches no Dense kernel"), "lora.dropout": (0.1, "lora.dropout"),
+  bad = {"lora.targets": (("nothing_here",), "matches no Dense kernel"), "lora.dropout": (1.0, "lora.dropout must be in"),
          "finetune.freeze": (("embeddings",), "exclude each other")}
   for field, (value, message) in bad.items():
     c = run_config("gpt")
@@ -178,6 +188,28 @@ def test_init_merge_unmerge_and_config_errors():
   c = run_config("gpt", targets=("layers_0/attention/query",))
   with pytest.raises(ValueError, match="some layers of a scanned stack"):
     lora.check(c)
+
+
+def test_lora_dropout_drops_only_the_adapter_input():
+  """config.lora.dropout (PEFT's lora_dropout) acts on the adapters' branch in training only: with B = 0 a
+  training forward equals the base, with B != 0 it differs from eval and changes with the rng; eval is
+  deterministic. An adapter the model never reaches is an error, not a silent no-op."""
+  config = run_config("gpt")
+  config.lora.dropout = 0.5
+  config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
+  params, b = random_params(config), batch("gpt")
+  zero_b = jax.tree_util.tree_map_with_path(lambda p, a: a * 0 if p[-1].key == "b" else a, params)
+  train, evaluate = forward_unmerged(config, train=True), forward_unmerged(config)
+  k1, k2 = jax.random.key(1), jax.random.key(2)
+  np.testing.assert_array_equal(train(zero_b, b, k1)[0], evaluate(zero_b, b)[0])
+  eval_logits = evaluate(params, b)[0]
+  close((eval_logits,), (np.asarray(forward(config)(params, b)[0]),))
+  assert np.abs(train(params, b, k1)[0] - eval_logits).max() > 1e-3
+  assert np.abs(train(params, b, k1)[0] - train(params, b, k2)[0]).max() > 1e-3
+  np.testing.assert_array_equal(train(params, b, k1)[0], train(params, b, k1)[0])
+  with pytest.raises(ValueError, match="were never applied"):
+    with lora.unmerged(config, train=False):
+      pass
 
 
 def test_decoding_with_adapters_equals_peft_generate(tmp_path):

@@ -9,6 +9,8 @@ t5.py) provides
   HEADS                 (optional) top-level param names that are task heads (summary counts them apart)
   init_cache, decode_step   (decoders) incremental decoding with an explicit KV-cache pytree
 """
+import contextlib
+import contextvars
 import importlib
 import math
 
@@ -91,21 +93,52 @@ def logical_axes(model_cfg) -> dict:
   return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(model_cfg, jax.random.PRNGKey(0))))
 
 
+_ADAPTER = contextvars.ContextVar("lm_jax_adapter", default=None)
+ADAPTERS = "lora"   # the params key (and variable collection) of adapters, mirroring their Dense modules' paths
+
+
+@contextlib.contextmanager
+def adapter(fn):
+  """Within it, `apply` runs params holding adapters under ADAPTERS: they become a variable collection (scanned
+  with their layers) and each layers.Dense that has some returns fn(module, x, y) instead of its output y. This is
+  how LoRA's x·A·B path (lm_jax/peft/lora.py) runs without a model that knows about it."""
+  def intercept(next_fun, args, kwargs, context):
+    y = next_fun(*args, **kwargs)
+    module = context.module
+    if context.method_name == "__call__" and isinstance(module, layers.Dense) and module.has_variable(ADAPTERS, "a"):
+      return fn(module, args[0], y)
+    return y
+
+  token = _ADAPTER.set(fn)
+  try:
+    with nn.intercept_methods(intercept):
+      yield
+  finally:
+    _ADAPTER.reset(token)
+
+
 def _plain(params: dict) -> None:
-  """Params still holding LoRA adapters would run without them: refuse them."""
-  if "lora" in params:
+  """Params still holding adapters would run without them: refuse them."""
+  if ADAPTERS in params:
     raise ValueError("params hold LoRA adapters (params['lora']), which the model would ignore; pass "
-                     "lm_jax.peft.lora.materialize(config, params)")
+                     "lm_jax.peft.lora.materialize(config, params) or run under lm_jax.peft.lora.unmerged(config)")
+
+
+def _variables(params: dict) -> dict:
+  if ADAPTERS in params and _ADAPTER.get() is not None:
+    return {"params": {k: v for k, v in params.items() if k != ADAPTERS}, ADAPTERS: params[ADAPTERS]}
+  _plain(params)
+  return {"params": params}
 
 
 def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:
   """Forward pass; dropout only when train=True (rng required then)."""
-  _plain(params)
+  variables = _variables(params)
   if train and rng is None:
     raise ValueError("models.apply(train=True) needs an rng for dropout")
   cfg = layers.frozen(model_cfg)
   rngs = {"dropout": rng} if train else {}
-  return family_module(cfg).Model(cfg).apply({"params": params}, batch, train=train, rngs=rngs)
+  return family_module(cfg).Model(cfg).apply(variables, batch, train=train, rngs=rngs)
 
 
 def init_cache(model_cfg, params: dict, batch: dict, max_length: int) -> dict:

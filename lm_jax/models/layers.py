@@ -370,8 +370,8 @@ def stack(block: type[nn.Module], num_layers: int, *, scan: bool, remat: str = "
   The block is called as block(x, cache, *shared) -> (x, cache): `cache` is that layer's slice of a
   pytree stacked on a leading layer axis (or None), `shared` (masks, biases, encoder output, cache
   index) is the same for every layer. Returns f(x, cache, *shared) -> (x, stacked new cache).
-  scan=True: nn.scan, params under `name` with a leading 'layers' axis (compile time independent
-  of depth); False: a python loop over `name_0` ... Remat policy per REMAT_POLICIES.
+  scan=True: nn.scan, params (and adapters, lm_jax.models.adapter) under `name` with a leading 'layers' axis
+  (compile time independent of depth); False: a python loop over `name_0` ... Remat policy per REMAT_POLICIES.
   """
   if remat not in REMAT_POLICIES:
     raise ValueError(f"unknown remat_policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
@@ -379,7 +379,7 @@ def stack(block: type[nn.Module], num_layers: int, *, scan: bool, remat: str = "
     block = nn.remat(block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
   if scan:
     def scanned(x, cache, *shared):
-      layer = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+      layer = nn.scan(block, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True, "dropout": True},
                       in_axes=(0,) + (nn.broadcast,) * len(shared), length=num_layers,
                       metadata_params={nn.PARTITION_NAME: "layers"})
       return layer(name=name, **block_attrs)(x, cache, *shared)

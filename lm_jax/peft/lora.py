@@ -3,20 +3,25 @@ models (docs/lora.md).
 
 config.lora.rank > 0 adds adapters under the top-level params key 'lora', mirroring the path of each targeted
 Dense kernel W: {'a': (*in, r), 'b': (r, *out)} (a leading layer axis in a scanned stack), i.e. PEFT's lora_A /
-lora_B of the HF Linear whose weight is W flattened to (in, out), transposed. The models never see them:
-`materialize` turns the stored params into plain ones, W + s·A·B with s = alpha / r (alpha / sqrt(r) with rslora),
-inside the jitted train and eval steps (lm_jax/step.py) and before decoding (lm_jax/inference.py); models.apply
-refuses params that still hold adapters, so no path can silently run without them. Materialising the merged kernel
-costs one (in, r) x (r, out) product per targeted kernel and step and keeps the models' matmuls as they are.
+lora_B of the HF Linear whose weight is W flattened to (in, out), transposed. s = alpha / r (alpha / sqrt(r) with
+rslora). Two equivalent ways to run them:
+  unmerged     training: inside `with unmerged(config, train=True)` the models run params that hold adapters, and
+               each adapted Dense adds s·(dropout(x)·A)·B to x·W (lm_jax.models.adapter). The frozen W gets no
+               weight gradient, and config.lora.dropout drops the adapter's input as PEFT's lora_dropout does.
+  materialize  eval and decoding: plain params with each adapted kernel W + s·A·B, so a KV-cache decode step costs
+               what the base model's does.
+models.apply refuses params that still hold adapters outside `unmerged`, and `unmerged` fails when an adapter was
+never applied, so no path can silently run without them.
 
 Only the adapters and the params matched by config.lora.modules_to_save (PEFT's name; the task head by default)
 train: finetune.trainable_mask gives the step and the optimizer that split, so the base gets no gradients and no
 optimizer state. With config.qlora the frozen Dense kernels are stored as NF4 with double quantisation
-(lm_jax.peft.nf4) and dequantised to model.dtype inside `materialize`.
+(lm_jax.peft.nf4) and dequantised to model.dtype inside the step (`dequantized`).
 
 Init as PEFT: A Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); B zeros, so the adapted model
 starts equal to the base. Each looped layer draws from its own key, so scanned and looped runs start identical.
 """
+import contextlib
 import functools
 import json
 import math
@@ -101,9 +106,8 @@ def check(config):
     raise ValueError(f"config.lora.rank must be a non-negative integer (0 = off), got {c.rank!r}")
   if not c.alpha > 0:
     raise ValueError(f"config.lora.alpha must be positive, got {c.alpha!r}")
-  if c.dropout:
-    raise ValueError(f"config.lora.dropout={c.dropout}: lm_jax merges the adapters into the kernels (W + s·A·B), "
-                     "where there is no adapter input to drop; use 0 (PEFT's default)")
+  if not 0.0 <= c.dropout < 1.0:
+    raise ValueError(f"config.lora.dropout must be in [0, 1), got {c.dropout!r}")
   if config.finetune.freeze:
     raise ValueError("config.finetune.freeze and config.lora.rank > 0 exclude each other: with LoRA only the "
                      "adapters and config.lora.modules_to_save train")
@@ -297,16 +301,49 @@ def base(config, params: dict) -> dict:
   return plain
 
 
+def dequantized(config, params: dict) -> dict:
+  """The run's params with NF4 kernels dequantised to model.dtype (qlora), adapters kept. Jittable."""
+  if not (enabled(config) and config.get("qlora", False)):
+    return params
+  from lm_jax.peft import nf4
+  plain = nf4.dequantize_tree({k: v for k, v in params.items() if k != KEY}, layers.dtype(config.model.dtype))
+  return {**plain, KEY: params[KEY]}
+
+
 def materialize(config, params: dict) -> dict:
-  """What the model runs: the run's params with the adapters merged into their kernels (and NF4 kernels
-  dequantised to model.dtype); params as they are without LoRA. Jittable."""
+  """Plain params for eval and decoding: adapters merged into their kernels, NF4 kernels dequantised to
+  model.dtype; params as they are without LoRA. Jittable."""
   if not enabled(config):
     return params
-  plain = {k: v for k, v in params.items() if k != KEY}
-  if config.get("qlora", False):
-    from lm_jax.peft import nf4
-    plain = nf4.dequantize_tree(plain, layers.dtype(config.model.dtype))
-  return _apply(plain, params[KEY], scale(config))
+  params = dequantized(config, params)
+  return merge(params, params[KEY], scale(config))
+
+
+@contextlib.contextmanager
+def unmerged(config, *, train: bool):
+  """Within it (inside a traced function), models.apply runs params holding adapters (`dequantized` ones with
+  qlora): each adapted Dense returns x·W + s·(dropout(x)·A)·B, dropout (config.lora.dropout, rng stream 'dropout')
+  only when `train`. On exit, a ValueError if some adapter of the run was never applied."""
+  if not enabled(config):
+    yield
+    return
+  s, rate = scale(config), config.lora.dropout if train else 0.0
+  applied = set()
+
+  def adapt(module, x, y):
+    a, b = module.get_variable(KEY, "a"), module.get_variable(KEY, "b")
+    applied.add(module.path)
+    if rate:
+      x = layers.dropout(x, rate, module.make_rng("dropout"))
+    n_in = a.ndim - 1
+    h = jnp.tensordot(x.astype(module.dtype), a.astype(module.dtype), n_in) * s
+    return y + jnp.tensordot(h, b.astype(module.dtype), 1)
+
+  with models.adapter(adapt):
+    yield
+  missing = sorted("/".join(p[:-1]) for p in _adapter_shapes(config) if p[:-1] not in applied)
+  if missing:
+    raise ValueError(f"LoRA adapters of {', '.join(missing)} were never applied: the model ran no Dense there")
 
 
 def prepare(config, pretrained: dict, fill: bool = False) -> dict:
