@@ -107,7 +107,8 @@ def _relayout(tree, scan: bool):
 
 
 def pretrained_params(config, mesh, rules) -> dict:
-  """The params of config.init_from in the layout of config.model (resolved), on the host or on `mesh`."""
+  """The params of config.init_from in the layout of config.model (resolved), on the host or on `mesh`; a LoRA
+  run's adapters merged into its kernels."""
   path, m = config.init_from, config.model
   if _is_hf(path):
     from lm_jax.hf import export
@@ -120,6 +121,8 @@ def pretrained_params(config, mesh, rules) -> dict:
   restored = checkpoint.restore_latest(mngr, abstract, shardings, source, with_data=False)
   mngr.close()
   params = restored.state["params"]
+  if lora.enabled(source):   # a LoRA run's model is its merged one (NF4 kernels dequantised)
+    params = jax.jit(lambda p: lora.merge(lora.base(source, p), p[lora.KEY], lora.scale(source)))(params)
   return _relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
 
 

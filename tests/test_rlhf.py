@@ -12,6 +12,7 @@ from lm_jax import config_lib, decoding, models, train
 from lm_jax.data import instructions, toy_tasks
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.objectives import dpo, reward, sft
+from lm_jax.peft import lora
 
 MODEL = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.d_ff": 256}
 
@@ -206,6 +207,26 @@ def test_dpo_from_sft_raises_the_held_out_margin(toy, sft_run):
   sft_params = train.restore_params(_config("sft", toy), sft_dir)[1]
   jax.tree.map(np.testing.assert_array_equal, reference, sft_params)   # frozen: still the SFT model
   assert not np.array_equal(policy["word_embeddings"]["embedding"], reference["word_embeddings"]["embedding"])
+
+
+def test_dpo_with_lora_uses_the_frozen_base_as_reference(toy, sft_run):
+  """DPO with LoRA: no reference copy; the reference is the base without adapters (bit-identical to the SFT model
+  after training), policy = reference at the start, and the adapters alone raise the held-out margin."""
+  _, sft_dir, _ = sft_run
+  fields = {"init_from": sft_dir, "total_steps": 60, "eval_every": 60, "log_every": 1, "model.frozen_reference": False,
+            "lora.rank": 8, "lora.targets": ("kernel",), "optimizer.lr": 3e-3}
+  with pytest.raises(ValueError, match="frozen_reference=False"):
+    config_lib.validate(_config("dpo", toy, **{**fields, "model.frozen_reference": True}), num_devices=1)
+  workdir = os.path.join(sft_dir, "dpo_lora")
+  result = train.train(_config("dpo", toy, **fields), workdir)
+  first = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))][0]
+  np.testing.assert_allclose(first["loss"], np.log(2), rtol=1e-5)
+  assert result["eval"]["eval_margin"] > 0.1 and result["eval"]["eval_accuracy"] > 0.7, result["eval"]
+  params = result["state"]["params"]
+  policy, reference = dpo.split_reference(params)
+  assert models.REFERENCE not in params and lora.KEY in policy and lora.KEY not in reference
+  sft_params = train.restore_params(_config("sft", toy), sft_dir)[1]
+  jax.tree.map(np.testing.assert_array_equal, reference, sft_params)
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo"])

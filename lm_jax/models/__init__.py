@@ -109,6 +109,8 @@ def adapter(fn):
       return fn(module, args[0], y)
     return y
 
+  if _ADAPTER.get() is not None:
+    raise ValueError("models.adapter contexts do not nest: the adapters would be applied twice")
   token = _ADAPTER.set(fn)
   try:
     with nn.intercept_methods(intercept):

@@ -33,8 +33,6 @@ def check(config):
                          ("value_lr", p.value_lr >= 0, ">= 0 (0 = optimizer.lr)"),
                          ("ptx_coef", p.ptx_coef >= 0, ">= 0")):
     _require(ok, f"config.ppo.{name} must be {rule}, got {p[name]!r}")
-  _require(not config.lora.rank and not config.qlora, "config.objective='ppo' does not support LoRA / QLoRA yet: set "
-           "config.lora.rank=0 and config.qlora=False (config.finetune.freeze limits what trains)")
   _require(p.minibatches >= 1 and config.batch_size % p.minibatches == 0,
            f"config.ppo.minibatches={p.minibatches} must be >= 1 and divide config.batch_size={config.batch_size}")
 

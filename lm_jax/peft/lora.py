@@ -351,13 +351,11 @@ def prepare(config, pretrained: dict, fill: bool = False) -> dict:
   PEFT directory config.lora.init_from; with `fill`, fresh adapters (seed config.seed) when there is none."""
   if not enabled(config):
     return pretrained
-  params = jax.jit(lambda p: quantize(config, p))({k: v for k, v in pretrained.items() if k != KEY})
+  params = jax.jit(lambda p: quantize(config, p))(pretrained)
   if config.lora.init_from:
     from lm_jax.peft import peft_format
     loaded = peft_format.load(config, config.lora.init_from)
     params = _overlay(params, loaded)
-  elif KEY in pretrained:
-    params[KEY] = pretrained[KEY]
   elif fill:
     params[KEY] = init_adapters(config, jax.random.fold_in(jax.random.key(config.seed), 1))
   return params

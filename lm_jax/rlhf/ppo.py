@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from lm_jax import checkpoint, decoding, finetune, metrics_log, models, sharding, step, train as train_lib
 from lm_jax.data import pipeline
 from lm_jax.objectives import clm, reward as reward_lib
+from lm_jax.peft import lora
 from lm_jax.rlhf import ppo_math, rewards
 
 TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record, with tokens_per_sec
@@ -98,6 +99,13 @@ def _inputs(batch):
 
 def _apply(model_cfg, params, batch):
   return models.apply(model_cfg, params, _inputs(batch))
+
+
+def _as_in_step(config, fn, params, batch):
+  """fn(config, params, batch) outside the train step, LoRA adapters applied as the step applies them, so the
+  scoring pass's log-probabilities are the ones the first update recomputes."""
+  with lora.unmerged(config, train=False):
+    return fn(config, lora.dequantized(config, params), batch)
 
 
 def _responses(config, x):
@@ -220,6 +228,7 @@ class Run:
   reward_fn: object        # config.ppo.reward_fn's function or None
   prompts: list
   score: object            # the jitted scoring pass
+  sampled: object          # policy params -> what decoding samples from (LoRA adapters merged: lora.materialize)
   initial: dict            # params: policy (= the frozen reference), value, reward_model (None with an exact reward)
 
 
@@ -242,11 +251,15 @@ def build(config, workdir: str, devices=None) -> Run:
                      f"divisible by config.microbatches * mesh.data * mesh.fsdp = {per_update}")
   prompts = read_prompts(c, s.tokenizer)
   policy = _part(_update_config(c, c.model, c.optimizer.lr, c.finetune.freeze), s.mesh, s.rules, _POLICY)
-  value = _part(_update_config(c, value_model, p.value_lr or c.optimizer.lr, ()), s.mesh, s.rules, _VALUE)
+  value_config = _update_config(c, value_model, p.value_lr or c.optimizer.lr, ())
+  with value_config.unlocked():
+    value_config.lora.init_from = ""   # a PEFT adapter directory is the policy's
+  value = _part(value_config, s.mesh, s.rules, _VALUE)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     initial = _initial_params(s, policy, value, reward_model)
+  sampled = jax.jit(lambda params: lora.materialize(c, params)) if lora.enabled(c) else lambda params: params
   return Run(s, workdir, policy, value, reward_model, rewards.get(p.reward_fn) if p.reward_fn else None, prompts,
-             _scoring_pass(c, value_model, reward_model, s.mesh), initial)
+             _scoring_pass(c, value_model, reward_model, s.mesh), sampled, initial)
 
 
 def _initial_params(s: train_lib.Setup, policy: _Part, value: _Part, reward_model) -> dict:
@@ -254,16 +267,17 @@ def _initial_params(s: train_lib.Setup, policy: _Part, value: _Part, reward_mode
   value model's: the reward model's, or the policy's with a fresh head."""
   c = s.config
   seed = jax.random.fold_in(jax.random.key(c.seed), 0)
-  fresh = lambda part: jax.jit(lambda k: models.init(part.config.model, k),
+  fresh = lambda part: jax.jit(lambda k: lora.init_params(part.config, k),
                                out_shardings=part.sharding["params"])(seed)
   params = fresh(policy)
   if c.init_from:
-    params, report = finetune.initial_params(c, params, finetune.pretrained_params(c, s.mesh, s.rules))
+    params, report = finetune.initial_params(c, params, lora.prepare(c, finetune.pretrained_params(c, s.mesh, s.rules)))
     train_lib._print(report)
   reward = None
   if reward_model:
     reward = finetune.pretrained_params(_replace(c, model=reward_model, init_from=c.ppo.reward_from), s.mesh, s.rules)
-  value_params, _ = finetune.initial_params(value.config, fresh(value), params if reward is None else reward)
+  source = lora.base(c, params) if reward is None else reward
+  value_params, _ = finetune.initial_params(value.config, fresh(value), lora.prepare(value.config, source))
   put = lambda tree, part: jax.device_put(tree, part.sharding["params"])
   return {"policy": put(params, policy), "value": put(value_params, value), "reward_model": reward}
 
@@ -277,9 +291,9 @@ def _scoring_pass(config, value_model, reward_model, mesh):
 
   def score(policy, reference, value, reward, batch, kl_coef):
     mask = batch["response_mask"]
-    logprobs, logits = _policy_out(config, policy, batch)
-    ref_logprobs, _ = _policy_out(config, reference, batch)
-    values = _values(value_cfg, value, batch) * mask
+    logprobs, logits = _as_in_step(config, _policy_out, policy, batch)
+    ref_logprobs, _ = _as_in_step(config, _policy_out, reference, batch)
+    values = _as_in_step(value_cfg, _values, value, batch) * mask
     scores = reward_lib.sequence_rewards(reward_model, reward, _inputs(batch)) if reward_model else batch["scores"]
     token_rewards, kl = ppo_math.token_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
     advantages, returns = ppo_math.gae(token_rewards, values, mask, p.gamma, p.lam)
@@ -340,7 +354,7 @@ def iteration(run: Run, state: dict, ptx_it, it: int) -> tuple[dict, dict]:
 
   chosen = gen.choice(len(run.prompts), c.batch_size, replace=len(run.prompts) < c.batch_size)
   prompts = [run.prompts[i] for i in chosen]
-  responses = decoding.generate(c.model, state["policy"]["params"], prompts, max_new_tokens=p.max_new_tokens,
+  responses = decoding.generate(c.model, run.sampled(state["policy"]["params"]), prompts, max_new_tokens=p.max_new_tokens,
                                 method="sample", temperature=p.temperature, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                 seed=int(gen.integers(2**31 - 1)))
   rollout_end = time.perf_counter()
