@@ -86,7 +86,7 @@ def param_bytes(abstract_params, shardings) -> tuple[int, int]:
                   jax.tree.structure(abstract_params, is_leaf=nf4.is_nf4).flatten_up_to(shardings)):
     local = _sharded_bytes(a, s)
     nbytes += local
-    count += math.prod(a.shape) * local // nf4.storage(a)[0] if nf4.is_nf4(a) else local // np.dtype(a.dtype).itemsize
+    count += nf4.storage(a)[1] * local // nf4.storage(a)[0] if nf4.is_nf4(a) else local // np.dtype(a.dtype).itemsize
   return nbytes, count
 
 

@@ -52,13 +52,13 @@ def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
   """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars. Only the
   trainable params (config.finetune.freeze, or LoRA's adapters) are differentiated and updated; frozen ones pass
   through as they are. LoRA adapters run unmerged beside their frozen kernels (lora.unmerged), NF4 kernels
-  dequantised."""
+  dequantised inside their matmuls."""
   n = config.microbatches
   seed_key = jax.random.key(config.seed)
   trainable_mask = finetune.trainable_mask(config)
 
   def loss_fn(params, frozen, batch, den, rng):
-    full = lora.dequantized(config, finetune.merge(params, frozen))
+    full = finetune.merge(params, frozen)
     with lora.unmerged(config, train=True):
       return objective.loss(config, full, batch, den, rng=rng, train=True)
 
@@ -100,7 +100,7 @@ def make_eval_step(config, objective, params_sharding, mesh):
   def step(params, batch):
     den = objective.denominators(batch)
     with lora.unmerged(config, train=False):   # as in training: a LoRA DPO run's reference is its base
-      _, metrics = objective.loss(config, lora.dequantized(config, params), batch, den, rng=None, train=False)
+      _, metrics = objective.loss(config, params, batch, den, rng=None, train=False)
     outputs = objective.predict(config, lora.materialize(config, params), batch) if objective.predict else {}
     return (*jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), (metrics, den)), outputs)
 

@@ -79,7 +79,7 @@ def forward_unmerged(config, train=False):
   """Jitted (run params, batch[, rng]) -> (logits, hidden) through the training path: adapters beside the kernels."""
   def f(params, b, rng=None):
     with lora.unmerged(config, train=train):
-      out = models.apply(config.model, lora.dequantized(config, params), b, rng=rng, train=train)
+      out = models.apply(config.model, params, b, rng=rng, train=train)
     return out["logits"], out["hidden"]
   return jax.jit(f)
 

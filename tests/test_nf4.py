@@ -1,6 +1,10 @@
 """NF4 with double quantisation (lm_jax.peft.nf4) against bitsandbytes' quantize_4bit / dequantize_4bit on CPU."""
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
+from jax import ad_checkpoint
 import numpy as np
 import pytest
 
@@ -92,6 +96,32 @@ def test_dequantize_jits_to_any_dtype():
   assert out.shape == (96, 40) and out.dtype == jnp.bfloat16
   assert np.array_equal(out, nf4.dequantize(q).astype(jnp.bfloat16))
   assert np.abs(nf4.dequantize(q) - w.astype(jnp.float32)).max() <= 0.16 * np.abs(w.astype(jnp.float32)).max()
+
+
+def test_a_scanned_stack_is_quantised_layer_by_layer_and_dequantised_inside_the_matmul():
+  """quantize_tree(stacked=...) = each layer quantised alone (as bitsandbytes quantises each Linear), its storage
+  counts every layer, and nf4.matmul equals the matmul with the dequantised kernel, gradient included, without
+  keeping the float kernel for the backward pass."""
+  w = jnp.asarray(_weight((3, 64, 48), 5))
+  q = nf4.quantize_tree({"layers": {"kernel": w}}, ["kernel$"], stacked=["^layers/"])["layers"]["kernel"]
+  assert nf4.layers(q) == (3,) and q.shape == (64, 48)
+  for i in range(3):
+    alone = nf4.quantize(w[i])
+    for x, y in zip(jax.tree.leaves(alone), jax.tree.leaves(jax.tree.map(lambda a: a[i], q))):
+      np.testing.assert_array_equal(x, y)
+  np.testing.assert_array_equal(nf4.dequantize(q), np.stack([nf4.dequantize(nf4.quantize(w[i])) for i in range(3)]))
+  assert nf4.storage(q)[1] == w.size
+  one = jax.tree.map(lambda a: a[1], q)
+  x = jnp.asarray(_weight((5, 64), 6))
+  contract = ((1,), (0,))
+  loss = lambda x: jnp.sum(nf4.matmul(x, one, contract, jnp.float32) ** 2)
+  want = lambda x: jnp.sum((x @ nf4.dequantize(one)) ** 2)
+  np.testing.assert_allclose(loss(x), want(x), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(loss)(x), jax.grad(want)(x), rtol=1e-5, atol=1e-6)
+  out = io.StringIO()   # what the backward pass keeps: x and the NF4 parts, no float (64, 48) kernel
+  with contextlib.redirect_stdout(out):
+    ad_checkpoint.print_saved_residuals(loss, x)
+  assert "f32[64,48]" not in out.getvalue() and "u8[" in out.getvalue(), out.getvalue()
 
 
 def test_tree_round_trip_and_checkpoint(tmp_path):

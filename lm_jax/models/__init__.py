@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 
 from lm_jax.models import layers
+from lm_jax.peft import nf4
 
 FAMILIES = ("bert", "gpt", "t5")
 REFERENCE = "reference"   # the params subtree of a model.frozen_reference copy
@@ -126,11 +127,31 @@ def _plain(params: dict) -> None:
                      "lm_jax.peft.lora.materialize(config, params) or run under lm_jax.peft.lora.unmerged(config)")
 
 
+def _split_nf4(tree: dict) -> tuple[dict, dict]:
+  """(tree without its NF4 leaves, the NF4 leaves at the same paths): the 'nf4' collection layers.Dense reads."""
+  plain, quantised = {}, {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      plain[k], q = _split_nf4(v)
+      if q:
+        quantised[k] = q
+    elif nf4.is_nf4(v):
+      quantised[k] = v
+    else:
+      plain[k] = v
+  return plain, quantised
+
+
 def _variables(params: dict) -> dict:
+  """Flax variables of run params: NF4 kernels (QLoRA) in the 'nf4' collection, adapters (under `adapter`) in
+  ADAPTERS."""
   if ADAPTERS in params and _ADAPTER.get() is not None:
-    return {"params": {k: v for k, v in params.items() if k != ADAPTERS}, ADAPTERS: params[ADAPTERS]}
-  _plain(params)
-  return {"params": params}
+    adapters, params = params[ADAPTERS], {k: v for k, v in params.items() if k != ADAPTERS}
+  else:
+    _plain(params)
+    adapters = None
+  params, quantised = _split_nf4(params)
+  return {"params": params, **({"nf4": quantised} if quantised else {}), **({ADAPTERS: adapters} if adapters else {})}
 
 
 def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:

@@ -16,7 +16,8 @@ never applied, so no path can silently run without them.
 Only the adapters and the params matched by config.lora.modules_to_save (PEFT's name; the task head by default)
 train: finetune.trainable_mask gives the step and the optimizer that split, so the base gets no gradients and no
 optimizer state. With config.qlora the frozen Dense kernels are stored as NF4 with double quantisation
-(lm_jax.peft.nf4) and dequantised to model.dtype inside the step (`dequantized`).
+(lm_jax.peft.nf4), a scanned stack's layer by layer; the models dequantise each inside its matmul
+(layers.Dense, nf4.matmul), so a step holds one float kernel at a time, not a float copy of the model.
 
 Init as PEFT: A Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); B zeros, so the adapted model
 starts equal to the base. Each looped layer draws from its own key, so scanned and looped runs start identical.
@@ -187,19 +188,22 @@ def init_adapters(config, rng: jax.Array) -> dict:
   return _adapter_tree(config, leaf)
 
 
-def _quantize_patterns(config) -> list[str]:
-  """QLoRA: the frozen Dense kernels of the run's layout, as regexes of nf4.quantize_tree."""
-  frozen = sorted({"/".join(_run_path(config, p)) for p in _looped_params(config)[0]
+def _quantize_patterns(config) -> tuple[list[str], list[str]]:
+  """QLoRA: the frozen Dense kernels of the run's layout, and those of them in a scanned stack, as regexes of
+  nf4.quantize_tree."""
+  frozen = sorted({_run_path(config, p) for p in _looped_params(config)[0]
                    if p.endswith("/kernel") and not _trains_fully(config, p)})
-  return ["^" + re.escape(p) + "$" for p in frozen]
+  regex = lambda path: "^" + re.escape("/".join(path)) + "$"
+  return [regex(p) for p in frozen], [regex(p) for p in frozen if config.model.scan_layers and "layers" in p]
 
 
 def quantize(config, base: dict) -> dict:
-  """Base params (no adapters) in the run's storage: NF4 frozen kernels with config.qlora, else as they are."""
+  """Base params (no adapters) in the run's storage: NF4 frozen kernels with config.qlora (a scanned stack's layer
+  by layer), else as they are."""
   if not config.get("qlora", False):
     return base
   from lm_jax.peft import nf4
-  return nf4.quantize_tree(base, _quantize_patterns(config))
+  return nf4.quantize_tree(base, *_quantize_patterns(config))
 
 
 def init_params(config, rng: jax.Array) -> dict:
@@ -301,27 +305,21 @@ def base(config, params: dict) -> dict:
   return plain
 
 
-def dequantized(config, params: dict) -> dict:
-  """The run's params with NF4 kernels dequantised to model.dtype (qlora), adapters kept. Jittable."""
-  if not (enabled(config) and config.get("qlora", False)):
-    return params
-  from lm_jax.peft import nf4
-  plain = nf4.dequantize_tree({k: v for k, v in params.items() if k != KEY}, layers.dtype(config.model.dtype))
-  return {**plain, KEY: params[KEY]}
-
-
 def materialize(config, params: dict) -> dict:
   """Plain params for eval and decoding: adapters merged into their kernels, NF4 kernels dequantised to
   model.dtype; params as they are without LoRA. Jittable."""
   if not enabled(config):
     return params
-  params = dequantized(config, params)
-  return merge(params, params[KEY], scale(config))
+  plain = {k: v for k, v in params.items() if k != KEY}
+  if config.get("qlora", False):
+    from lm_jax.peft import nf4
+    plain = nf4.dequantize_tree(plain, layers.dtype(config.model.dtype))
+  return _apply(plain, params[KEY], scale(config))
 
 
 @contextlib.contextmanager
 def unmerged(config, *, train: bool):
-  """Within it (inside a traced function), models.apply runs params holding adapters (`dequantized` ones with
+  """Within it (inside a traced function), models.apply runs params holding adapters (and NF4 kernels with
   qlora): each adapted Dense returns x·W + s·(dropout(x)·A)·B, dropout (config.lora.dropout, rng stream 'dropout')
   only when `train`. On exit, a ValueError if some adapter of the run was never applied."""
   if not enabled(config):

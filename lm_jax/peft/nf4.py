@@ -18,7 +18,10 @@ last bit: float32 sums depend on the summation order); dequantisation uses whate
 `quantize` returns an NF4, a frozen dataclass registered as a pytree: its arrays are the leaves (what orbax
 checkpoints and what jit traces), the original shape and dtype and the block sizes are static metadata in the
 treedef, so a checkpoint restores onto the abstract tree jax.eval_shape of quantize_tree builds, and dequantize
-is jittable. quantize is traceable too (jax.eval_shape, jit).
+is jittable. quantize is traceable too (jax.eval_shape, jit). A scanned stack of layers is quantised layer by
+layer, as bitsandbytes quantises each Linear (`stacked` of quantize_tree): its NF4's arrays get a leading layer
+axis that nn.scan slices, and shape stays one layer's. `matmul` dequantises inside the matmul and recomputes that
+in the backward pass, so a train step never holds more than one float copy of a kernel at a time.
 """
 import dataclasses
 import functools
@@ -150,9 +153,17 @@ def absmax_values(q: NF4) -> jax.Array:
   return values.reshape(-1)[:q.absmax.size] + q.absmax_mean
 
 
+def layers(q: NF4) -> tuple[int, ...]:
+  """The leading (layer) axes of a stacked NF4, () for one weight."""
+  return q.codes.shape[:-1]
+
+
 @functools.partial(jax.jit, static_argnames="dtype")
 def dequantize(q: NF4, dtype=jnp.float32) -> jax.Array:
-  """The weight of q in its original shape, computed in float32 and cast to `dtype`. Jittable."""
+  """The weight of q in its original shape (with its leading layer axes), computed in float32 and cast to `dtype`.
+  Jittable."""
+  if layers(q):
+    return jax.vmap(functools.partial(dequantize, dtype=dtype))(q)
   n = math.prod(q.shape)
   idx = jnp.stack([q.codes >> 4, q.codes & 15], axis=1).reshape(-1)
   values = jnp.asarray(NF4_VALUES)[idx[:n]]
@@ -165,12 +176,28 @@ def _path(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def quantize_tree(params, patterns, **kw):
+def quantize_tree(params, patterns, stacked=(), **kw):
   """params with every leaf whose '/'-joined path matches (re.search) one of the regexes `patterns` replaced by
-  quantize(leaf, **kw)."""
-  compiled = [re.compile(p) for p in patterns]
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: quantize(x, **kw) if any(p.search(_path(path)) for p in compiled) else x, params)
+  quantize(leaf, **kw); a leaf matching one of `stacked` too holds a layer per index of its first axis, each
+  quantised apart."""
+  compiled, layered = [re.compile(p) for p in patterns], [re.compile(p) for p in stacked]
+
+  def leaf(path, x):
+    name = _path(path)
+    if not any(p.search(name) for p in compiled):
+      return x
+    one = functools.partial(quantize, **kw)
+    return jax.vmap(one)(x) if any(p.search(name) for p in layered) else one(x)
+  return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def matmul(x: jax.Array, q: NF4, contract, dtype) -> jax.Array:
+  """dot_general(x, dequantize(q)) over `contract` in `dtype`, rematerialised: the backward pass keeps x and the
+  NF4 parts and dequantises again, instead of keeping the float kernel."""
+  @jax.checkpoint
+  def f(x, q):
+    return jax.lax.dot_general(x.astype(dtype), dequantize(q, dtype), (contract, ((), ())))
+  return f(x, q)
 
 
 def is_nf4(x) -> bool:
@@ -191,7 +218,7 @@ def storage(tree) -> tuple[int, int]:
   nbytes = params = 0
   for x in jax.tree.leaves(tree, is_leaf=is_nf4):
     nbytes += sum(_bytes(a) for a in jax.tree.leaves(x))
-    params += math.prod(x.shape)
+    params += math.prod(x.shape) * (math.prod(layers(x)) if is_nf4(x) else 1)
   return nbytes, params
 
 

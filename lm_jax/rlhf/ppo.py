@@ -105,7 +105,7 @@ def _as_in_step(config, fn, params, batch):
   """fn(config, params, batch) outside the train step, LoRA adapters applied as the step applies them, so the
   scoring pass's log-probabilities are the ones the first update recomputes."""
   with lora.unmerged(config, train=False):
-    return fn(config, lora.dequantized(config, params), batch)
+    return fn(config, params, batch)
 
 
 def _responses(config, x):
