@@ -21,6 +21,9 @@ response position, initialised as InstructGPT's from the reward model (config.pp
 reward from the policy's initial weights and a fresh head. Separate, its regression does not pull on the policy's
 features and it has its own optimizer (learning rate config.ppo.value_lr), so TRL's vf_coef, a weight between two
 losses of one model, has no role. Everything runs without dropout: an iteration's first update has ratio 1.
+With LoRA / QLoRA (config.lora, config.qlora) policy and value model each train their own adapters on a frozen
+base; rollouts sample from the merged policy, the scoring pass applies the adapters as the updates do
+(docs/lora.md).
 
 Checkpoints (every config.checkpoint_every iterations, at the end and on SIGTERM) hold both models' train states,
 the sampler key (prompts, samples and minibatch order derive from it), beta and the PPO-ptx stream's position: a
