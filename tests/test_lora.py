@@ -297,6 +297,7 @@ MESH_SCRIPT = textwrap.dedent("""
       c = _config("clm", mesh=dict(data=mesh[0], fsdp=mesh[1], tensor=mesh[2]))
       c.model.update(scan_layers=True, num_layers=2)
       c.lora.update(rank=4, targets=("attention/(query|value)/", "mlp/"))
+      c.qlora = True
       devices = jax.devices()[:int(np.prod(mesh))]
       m = sharding.make_mesh(c, devices)
       tx, lr, _, sh = step.state_layout(c, m, sharding.RULES)
@@ -308,13 +309,15 @@ MESH_SCRIPT = textwrap.dedent("""
           state, metrics = train_step(state, _batch(c, seed=i))
           losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
       b = state["params"]["lora"]["layers"]["mlp"]["wi"]["b"]
+      codes = state["params"]["layers"]["mlp"]["wo"]["kernel"].codes
       out["x".join(map(str, mesh))] = dict(losses=losses, spec=[str(s) for s in b.sharding.spec],
-                                           shard=list(b.addressable_shards[0].data.shape))
+                                           shard=list(b.addressable_shards[0].data.shape),
+                                           codes=[list(codes.shape), list(codes.addressable_shards[0].data.shape)])
     print("RESULT" + json.dumps(out))
 """)
 
 
-def test_lora_on_a_sharded_mesh_gives_the_single_device_loss():
+def test_qlora_on_a_sharded_mesh_gives_the_single_device_loss():
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
   run = subprocess.run([sys.executable, "-c", MESH_SCRIPT.format(tests=str(REPO / "tests"))], cwd=REPO,
                        capture_output=True, text=True, timeout=900, env=env)
@@ -325,6 +328,8 @@ def test_lora_on_a_sharded_mesh_gives_the_single_device_loss():
   assert single["losses"][0][0] != single["losses"][-1][0]   # it trains
   # B of mlp/wi: (layers, rank, d_ff) with d_ff over the tensor axis
   assert sharded["spec"] == ["None", "None", "tensor"] and sharded["shard"] == [2, 4, 32]
+  # NF4 codes of mlp/wo (d_ff 64 x d_model 32, two per byte, per layer) split as the kernel's d_ff rows are
+  assert sharded["codes"] == [[2, 1024], [2, 512]] and single["codes"] == [[2, 1024], [2, 1024]]
 
 
 def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):

@@ -23,6 +23,7 @@ Init as PEFT: A Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)
 starts equal to the base. Each looped layer draws from its own key, so scanned and looped runs start identical.
 """
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -221,10 +222,22 @@ def abstract_params(config) -> dict:
       models.abstract_params(config.model)
 
 
+def _nf4_specs(q, spec: P):
+  """Logical specs of an NF4 kernel's parts: the 4-bit codes and 8-bit absmax, flat in row-major order, split as
+  the kernel's first input axis is (whole rows per shard, as the float kernel's would be); the few statistics
+  left replicated. A scanned stack's leading layer axis stays one."""
+  from lm_jax.peft import nf4
+  lead = tuple(spec[:len(nf4.layers(q))])
+  first = spec[len(lead)]
+  return dataclasses.replace(q, codes=P(*lead, first), absmax=P(*lead, first),
+                             absmax_scale=None if q.absmax_scale is None else P(*lead, None),
+                             absmax_mean=None if q.absmax_mean is None else P(*lead))
+
+
 def _specs_like(abstract, specs):
-  """`specs` (the plain model's) with each NF4-quantised kernel's parts replicated."""
+  """`specs` (the plain model's) with each NF4-quantised kernel's spec made the specs of its parts."""
   if isinstance(specs, P):
-    return specs if isinstance(abstract, jax.ShapeDtypeStruct) else jax.tree.map(lambda a: P(), abstract)
+    return specs if isinstance(abstract, jax.ShapeDtypeStruct) else _nf4_specs(abstract, specs)
   return {k: _specs_like(abstract[k], v) for k, v in specs.items()}
 
 
