@@ -342,6 +342,13 @@ class Best:
 
 
 # ----------------------------------------------------------------------------------------------------- predict
+def _write_predictions(path: str, lines: list[str]):
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      f.write("index\tprediction\n" + "".join(line + "\n" for line in lines))
+
+
 def predict(config, workdir: str) -> tuple[str, dict]:
   """Writes workdir/predictions_<task.test_split>.tsv ('index<TAB>prediction' per example, the index its position
   in the split, the prediction a label name when task.label_names are given): the latest checkpoint's (or
@@ -353,6 +360,15 @@ def predict(config, workdir: str) -> tuple[str, dict]:
     raise ValueError(f"config.objective={s.config.objective!r} makes no predictions (--mode=predict)")
   c = s.config.copy_and_resolve_references()
   c.data.eval_split, c.data.eval_batches = c.task.test_split, 0
+  safe = "".join(ch if ch in string.ascii_letters + string.digits + "-_" else "_" for ch in c.task.test_split)
+  path = os.path.join(workdir, f"predictions_{safe}.tsv")
+  texts = s.objective.predict_texts(c, lora.materialize(c, params), s.tokenizer, c.task.test_split) \
+      if s.objective.predict_texts else None
+  if texts is not None:   # decoded texts (free-form T5 targets): tabs and newlines inside them become spaces
+    clean = lambda t: " ".join(t.split())
+    _write_predictions(path, [f"{i}\t{clean(t)}" for i, t in zip(texts["index"], texts["prediction"])])
+    scored = any(t is not None for t in texts["target"])
+    return path, {"test_exact_match": texts["exact_match"]} if scored else {}
   batches = pipeline.make_eval_iterator(c, s.tokenizer, s.objective, process_index=jax.process_index(),
                                         process_count=jax.process_count())
   eval_step = step_lib.make_eval_step(c, s.objective, s.state_sharding["params"], s.mesh)
@@ -364,13 +380,7 @@ def predict(config, workdir: str) -> tuple[str, dict]:
   index, prediction = found["index"][keep], found["prediction"][keep]
   names = tuple(c.task.label_names)
   as_text = lambda p: names[p] if names else f"{p:.6g}" if np.issubdtype(prediction.dtype, np.floating) else str(p)
-  text = [f"{i}\t{as_text(p)}" for i, p in zip(index, prediction)]
-  safe = "".join(ch if ch in string.ascii_letters + string.digits + "-_" else "_" for ch in c.task.test_split)
-  path = os.path.join(workdir, f"predictions_{safe}.tsv")
-  if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(path, "w") as f:
-      f.write("index\tprediction\n" + "".join(line + "\n" for line in text))
+  _write_predictions(path, [f"{i}\t{as_text(p)}" for i, p in zip(index, prediction)])
   metrics = {}
   if found["weight"][keep].any():
     sums = [({k: float(v) for k, v in m.items()}, {k: float(v) for k, v in d.items()}) for m, d, _ in out]

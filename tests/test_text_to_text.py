@@ -152,6 +152,15 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
   tok = tokenizer_lib.load(tokenizer_path, "t5")
   got = text_to_text.generate_texts(free, jax.device_get(result["state"]["params"]), tok, "test")
   assert got["target"] == truth and got["exact_match"] >= 0.95, got
+  # --mode=predict of a free-form run writes its decoded texts (here after 2 steps: any texts will do)
+  free.total_steps, free.checkpoint_every, free.eval_every, free.finetune.best_metric = 2, 2, 0, ""
+  params = jax.device_get(train.train(free, str(tmp_path / "free"))["state"]["params"])
+  out, metrics = finetune.predict(free, str(tmp_path / "free"))
+  with open(out) as f:
+    written = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+  want = text_to_text.generate_texts(free, params, tok, "test")
+  assert [r["prediction"] for r in written] == [" ".join(t.split()) for t in want["prediction"]]
+  assert metrics == {"test_exact_match": want["exact_match"]}
 
 
 @pytest.mark.parametrize("variant", ["cola", "sst2", "stsb", "mnli", "rte", "tiny"])

@@ -14,7 +14,7 @@ argmax, i.e. greedy decoding writes exactly the target. With label words (for re
 of STS-B's scale) the eval also predicts the candidate of the highest log-probability (T5's rank classification):
 accuracy, and over the eval set F1 / Matthews (Pearson / Spearman) via lm_jax.evaluate.prediction_metrics;
 --mode=predict writes the label words. Free-form targets get no prediction in the eval step: generate_texts decodes
-them greedily (lm_jax.decoding.generate) and scores exact string match.
+them greedily (lm_jax.decoding.generate) and scores exact string match; --mode=predict writes those texts.
 """
 import jax
 import jax.numpy as jnp
@@ -257,7 +257,13 @@ def generate_texts(config, params, tokenizer, split: str, *, batch_size: int = 3
               exact_match=float(np.mean(scored)) if scored else float("nan"))
 
 
+def predict_texts(config, params, tokenizer, split: str) -> dict | None:
+  """--mode=predict of free-form targets: generate_texts; None with label words (the eval step predicts those)."""
+  return None if candidates(config) else generate_texts(config, params, tokenizer, split)
+
+
 OBJECTIVE = Objective(name="text_to_text", families=("t5",), check=check, lengths=lengths, rows=row_layout,
                       transform=no_transform, features=features, denominators=denominators, loss=loss, predict=predict,
+                      predict_texts=predict_texts,
                       metric_denominators={"loss": "tokens", "token_loss": "tokens", "token_accuracy": "tokens",
                                            "exact_match": "examples", "accuracy": "examples"})
