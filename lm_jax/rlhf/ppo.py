@@ -43,7 +43,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lm_jax import checkpoint, decoding, finetune, metrics_log, models, sharding, step, train as train_lib
-from lm_jax.data import pipeline
+from lm_jax.data import instructions, pipeline
 from lm_jax.objectives import clm, reward as reward_lib
 from lm_jax.peft import lora
 from lm_jax.rlhf import ppo_math, rewards
@@ -54,8 +54,11 @@ TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record
 # ------------------------------------------------------------------------------------------------------ prompts
 def read_prompts(config, tokenizer) -> list[list[int]]:
   """The token ids of every prompt in config.ppo.prompts (.txt: a prompt per non-empty line; .jsonl: the field
-  config.ppo.prompt_field), each cut to its last config.ppo.prompt_len tokens."""
+  config.ppo.prompt_field) in config.rlhf.template, as SFT formats its prompts, each cut to its last
+  config.ppo.prompt_len tokens."""
   p = config.ppo
+  if config.rlhf.template and "{prompt}" not in config.rlhf.template:
+    raise ValueError(f"config.rlhf.template must contain '{{prompt}}', got {config.rlhf.template!r}")
   files = sorted(glob.glob(p.prompts))
   if not files:
     raise FileNotFoundError(f"config.ppo.prompts={p.prompts!r} matches no file")
@@ -71,6 +74,7 @@ def read_prompts(config, tokenizer) -> list[list[int]]:
         texts.append(record[p.prompt_field])
     else:
       texts += lines
+  texts = [instructions.prompt_text(config, t) for t in texts]
   prompts = [ids[-p.prompt_len:] for ids in tokenizer.encode_batch(texts) if ids]
   if not prompts:
     raise ValueError(f"config.ppo.prompts={p.prompts!r}: no prompt in {', '.join(files)}")
