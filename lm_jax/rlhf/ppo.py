@@ -2,8 +2,9 @@
 PPOTrainer, lm_jax/rlhf/ppo_math.py): train.train hands a config.objective='ppo' run to `train` here.
 
 One iteration:
-  rollout  config.batch_size prompts drawn from config.ppo.prompts are continued by sampling from the policy at
-           config.ppo.temperature on the KV cache (lm_jax.decoding.generate), up to max_new_tokens or EOS;
+  rollout  config.batch_size prompts drawn from config.ppo.prompts (in SFT's config.rlhf.template) are continued by
+           sampling from the policy at config.ppo.temperature on the KV cache (lm_jax.decoding.generate), up to
+           max_new_tokens or EOS;
   scoring  ONE jitted pass over prompt + response: the policy's and the frozen reference's log-probabilities of the
            response tokens, the value model's values, the reward model's score at the last response token (or an
            exact reward of the text, config.ppo.reward_fn, computed on the host); per-token rewards
