@@ -57,17 +57,18 @@ def table(summary: dict) -> str:
 def time_split(records: list[dict]) -> dict:
   """PPO's per-iteration wall-clock split from its metrics.jsonl records: the first iteration (it compiles) apart,
   then the medians of the others and each part's share of their sum."""
-  it = [r for r in records if "rollout_s" in r]
+  from lm_jax.rlhf import ppo
+  keys = ppo.TIMES
+  it = [r for r in records if keys[0] in r]
   if not it:
-    raise ValueError("no PPO iteration records (rollout_s, scoring_s, update_s) in the metrics")
-  keys = ("rollout_s", "scoring_s", "update_s")
+    raise ValueError(f"no PPO iteration records ({', '.join(keys)}) in the metrics")
   rest = it[1:] or it
   median = {k: float(np.median([r[k] for r in rest])) for k in keys}
   total = sum(median.values())
   return {"iterations": len(it), "first": {k: it[0][k] for k in keys}, "median": median,
           "share": {k: v / total for k, v in median.items()},
           "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in rest])),
-          "reward": (it[0]["reward"], it[-1]["reward"]), "kl": (it[0]["kl"], it[-1]["kl"])}
+          "rm_score": (it[0]["reward"], it[-1]["reward"]), "kl": (it[0]["kl"], it[-1]["kl"])}
 
 
 def time_split_text(t: dict) -> str:
@@ -76,7 +77,7 @@ def time_split_text(t: dict) -> str:
           f"({s['rollout_s']:.0%}), scoring {m['scoring_s']:.2f} s ({s['scoring_s']:.0%}), update {m['update_s']:.2f} s "
           f"({s['update_s']:.0%}), {t['tokens_per_sec']:.0f} response tokens/s; the first iteration (compiling): "
           f"{f['rollout_s']:.1f} / {f['scoring_s']:.1f} / {f['update_s']:.1f} s. Reward-model score "
-          f"{t['reward'][0]:.2f} -> {t['reward'][1]:.2f}, KL {t['kl'][0]:.1f} -> {t['kl'][1]:.1f} nats per response.")
+          f"{t['rm_score'][0]:.2f} -> {t['rm_score'][1]:.2f}, KL {t['kl'][0]:.1f} -> {t['kl'][1]:.1f} nats per response.")
 
 
 # ---------------------------------------------------------------------------------------------- the models
@@ -146,8 +147,9 @@ def measure(args) -> tuple[dict, dict]:
       texts = [f"{decode(q)} {decode(r)}".strip() for q, r in zip(prompts, responses)]
       out[name] = dict(rm=np.asarray(jax.device_get(rewards), np.float64), kl=np.asarray(logp - ref, np.float64),
                        length=np.array([len(r) for r in responses], np.float64), texts=texts)
-  for name in out:   # torch after JAX: the judge runs on the host, in its own framework
-    out[name]["p_pos"] = _judge(args.judge, out[name]["texts"])
+  p_pos = _judge(args.judge, [t for s in out.values() for t in s["texts"]])   # torch, after JAX is done
+  for i, s in enumerate(out.values()):
+    s["p_pos"] = p_pos[i * len(prompts):(i + 1) * len(prompts)]
   return out, time_split(metrics_log.read(os.path.join(args.ppo, "metrics.jsonl")))
 
 
@@ -159,7 +161,7 @@ def main():
   parser.add_argument("--judge", required=True, help="an exported SST-2 classifier (BertForSequenceClassification)")
   parser.add_argument("--reward", default="", help="the reward model's workdir ('' = the PPO run's ppo.reward_from)")
   parser.add_argument("--prompts", default="rlhf_data/sst2_sft_dev.jsonl", help="held-out prompts (.jsonl / .txt)")
-  parser.add_argument("--n", type=int, default=256, help="prompts, one sample per policy each")
+  parser.add_argument("--n", type=int, default=512, help="prompts (the first n), one sample per policy each")
   parser.add_argument("--seed", type=int, default=0, help="the sampling seed, the same for every policy")
   parser.add_argument("--samples", type=int, default=3, help="samples printed per policy")
   parser.add_argument("--json", default="", help="also write the summary, the time split and every sample here")

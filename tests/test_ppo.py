@@ -197,7 +197,7 @@ def test_sst2_judge_table_and_time_split():
   split = judge.time_split([{"step": 4, "eval": 1.0}] + records)
   assert split["iterations"] == 4 and split["first"]["update_s"] == 20.0
   assert split["median"] == {"rollout_s": 4.0, "scoring_s": 0.5, "update_s": 2.5}
-  assert split["share"]["rollout_s"] == pytest.approx(4 / 7) and split["reward"] == (-1.0, 4.0)
+  assert split["share"]["rollout_s"] == pytest.approx(4 / 7) and split["rm_score"] == (-1.0, 4.0)
 
 
 # ------------------------------------------------------------------------------------------------ tiny PPO runs
