@@ -1,6 +1,8 @@
 """PPO: its arithmetic equals a NumPy transcription of TRL's PPOTrainer formulas on fixed tensors; the scoring pass
 reads the rollouts where the model scores them; a tiny policy raises an exact reward well above its initial one with
 the KL to the reference bounded; kill -9 and SIGTERM resume to exactly the uninterrupted run."""
+import importlib.util
+import json
 import os
 import re
 import signal
@@ -15,7 +17,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from lm_jax import config_lib, metrics_log, models
-from lm_jax.data import tokenizer
+from lm_jax.data import instructions, tokenizer
 from lm_jax.rlhf import ppo, ppo_math
 from conftest import REPO
 
@@ -138,6 +140,64 @@ def test_config_mistakes_are_one_line(overrides, message):
   config = config_lib.load("configs/rlhf/ppo.py:tiny", overrides)
   with pytest.raises(config_lib.ConfigError, match="^" + re.escape(message)):
     config_lib.validate(config, 1)
+
+
+def test_sst2_variant_validates_and_fits_the_sft_model():
+  """configs/rlhf/ppo.py:sst2 with its two workdirs validates; prompt + response fit the SST-2 SFT model's positions;
+  minibatches split the rollouts."""
+  config = config_lib.load("configs/rlhf/ppo.py:sst2", {"init_from": "/tmp/sst2/sft", "ppo.reward_from": "/tmp/sst2/rm"})
+  config_lib.validate(config, 1)
+  sft = config_lib.load("configs/rlhf/sft.py:sst2")
+  assert config.ppo.prompt_len + config.ppo.max_new_tokens <= sft.model.max_positions
+  assert config.ppo.prompts.startswith(sft.rlhf.files.replace("{split}.jsonl", ""))   # the SFT data's prompts
+  assert config.batch_size % config.ppo.minibatches == 0 and not config.ppo.reward_fn
+
+
+def test_prompts_are_formatted_by_the_sft_template(overrides, tmp_path):
+  """PPO's prompts are the ids SFT trains on: config.rlhf.template applied, each text tokenized alone."""
+  records = [{"prompt": "To be, or not", "response": "x"}, {"prompt": "Citizen", "response": "y"}]
+  (tmp_path / "p_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  config = config_lib.load("configs/rlhf/ppo.py:tiny", {**overrides, "ppo.prompts": str(tmp_path / "p_train.jsonl"),
+                                                        "rlhf.files": str(tmp_path / "p_{split}.jsonl"),
+                                                        "rlhf.template": "Human: {prompt}\n\nAssistant:"})
+  tok = tokenizer.load(overrides["data.tokenizer"], "gpt")
+  examples = instructions.examples(config, "train", tok, "instruction")
+  sft = [e.prompt.tolist() for e in examples.tokens(list(range(len(examples))))]
+  assert ppo.read_prompts(config, tok) == [ids[-config.ppo.prompt_len:] for ids in sft]
+  assert tok.encode("Human: Citizen")[-1] != sft[1][-1]   # the template's end is in the prompt
+  with config.unlocked():
+    config.rlhf.template = "Human: <prompt>"
+  with pytest.raises(ValueError, match="config.rlhf.template must contain '{prompt}'"):
+    ppo.read_prompts(config, tok)
+
+
+def _bench_judge():
+  spec = importlib.util.spec_from_file_location("rlhf_sst2", REPO / "bench" / "rlhf_sst2.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_sst2_judge_table_and_time_split():
+  """bench/rlhf_sst2.py's summaries on fixed numbers: means, standard errors, the positive rate at P > 0.5, and the
+  time split without the compiling first iteration."""
+  judge = _bench_judge()
+  samples = {"SFT": dict(rm=[0.0, 1.0, 2.0, 3.0], p_pos=[0.2, 0.4, 0.6, 0.9], kl=[0.0] * 4, length=[3, 5, 7, 9]),
+             "PPO": dict(rm=[4.0, 4.0, 4.0, 4.0], p_pos=[0.8, 0.9, 0.51, 0.3], kl=[1, 2, 3, 6], length=[8] * 4)}
+  summary = judge.summarise({k: {f: np.asarray(v, float) for f, v in s.items()} for k, s in samples.items()})
+  assert summary["SFT"]["rm"] == pytest.approx((1.5, np.std([0, 1, 2, 3], ddof=1) / 2))
+  assert summary["SFT"]["pos_rate"][0] == 0.5 and summary["PPO"]["pos_rate"][0] == 0.75
+  assert summary["PPO"]["p_pos"][0] == pytest.approx(0.6275) and summary["PPO"]["kl"][0] == 3.0
+  lines = judge.table(summary).splitlines()
+  assert len(lines) == 4 and lines[3].startswith("| PPO | 4.00 ± 0.00 | 0.627 ± ") and "| 3.0 ± 1.1 | 8.0 ± 0.0 |" in lines[3]
+  records = [{"step": 1, "rollout_s": 9.0, "scoring_s": 5.0, "update_s": 20.0, "reward": -1.0, "kl": 0.0,
+              "tokens_per_sec": 10.0}] + [
+             {"step": i, "rollout_s": 1.0 + i, "scoring_s": 0.5, "update_s": 2.5, "reward": float(i), "kl": 0.5 * i,
+              "tokens_per_sec": 100.0} for i in (2, 3, 4)]
+  split = judge.time_split([{"step": 4, "eval": 1.0}] + records)
+  assert split["iterations"] == 4 and split["first"]["update_s"] == 20.0
+  assert split["median"] == {"rollout_s": 4.0, "scoring_s": 0.5, "update_s": 2.5}
+  assert split["share"]["rollout_s"] == pytest.approx(4 / 7) and split["rm_score"] == (-1.0, 4.0)
 
 
 # ------------------------------------------------------------------------------------------------ tiny PPO runs

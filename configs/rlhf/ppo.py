@@ -6,6 +6,9 @@ Variants:
         --config.ppo.prompts; TRL's PPOTrainer defaults where the papers give none (InstructGPT's model is 1.3B-175B).
   tiny  a CPU run with no other workdir: a 2-layer policy from its seeded init on Tiny Shakespeare lines as prompts,
         rewarded exactly by the number of letters 'e' in the response (config.ppo.reward_fn='count_e').
+  sst2  the docs/rlhf.md demonstration: the tiny SST-2 SFT policy (configs/rlhf/sft.py:sst2, --config.init_from)
+        continues the first words of SST-2 train sentences against the SST-2 reward model
+        (configs/rlhf/reward.py:sst2, --config.ppo.reward_from); a CPU run of a few minutes.
 """
 import os
 
@@ -13,10 +16,12 @@ import ml_collections
 
 from lm_jax import defaults
 
+VARIANTS = ("ppo", "tiny", "sst2")
+
 
 def get_config(arg="ppo"):
-  if arg not in ("ppo", "tiny"):
-    raise ValueError(f"configs/rlhf/ppo.py: unknown variant {arg!r}; use ppo or tiny")
+  if arg not in VARIANTS:
+    raise ValueError(f"configs/rlhf/ppo.py: unknown variant {arg!r}; use {', '.join(VARIANTS)}")
   c = defaults.base_config()
   c.objective = "ppo"
   m = c.model = defaults.gpt1_model()   # init_from's architecture wins
@@ -52,6 +57,14 @@ def get_config(arg="ppo"):
   c.total_steps = 256        # PPO iterations
   c.log_every, c.checkpoint_every = 1, 10
 
+  if arg == "sst2":
+    defaults.tiny(c)
+    m.max_positions, c.data.seq_len = 64, 64
+    c.data.tfds_name, c.data.files, c.data.text_field = "", "rlhf_data/sst2_sft_{split}.jsonl", "text"
+    p.prompts, p.prompt_len, p.max_new_tokens = "rlhf_data/sst2_sft_train.jsonl", 8, 24
+    c.optimizer.lr, c.optimizer.warmup_steps = 1e-4, 0
+    c.batch_size, c.total_steps = 64, 40
+    c.log_every, c.eval_every, c.checkpoint_every = 1, 0, 10
   if arg == "tiny":
     defaults.tiny(c)
     text = os.path.join(os.environ.get("LM_JAX_DATA", "data"), "tiny_shakespeare", "input.txt")

@@ -2,8 +2,9 @@
 PPOTrainer, lm_jax/rlhf/ppo_math.py): train.train hands a config.objective='ppo' run to `train` here.
 
 One iteration:
-  rollout  config.batch_size prompts drawn from config.ppo.prompts are continued by sampling from the policy at
-           config.ppo.temperature on the KV cache (lm_jax.decoding.generate), up to max_new_tokens or EOS;
+  rollout  config.batch_size prompts drawn from config.ppo.prompts (in SFT's config.rlhf.template) are continued by
+           sampling from the policy at config.ppo.temperature on the KV cache (lm_jax.decoding.generate), up to
+           max_new_tokens or EOS;
   scoring  ONE jitted pass over prompt + response: the policy's and the frozen reference's log-probabilities of the
            response tokens, the value model's values, the reward model's score at the last response token (or an
            exact reward of the text, config.ppo.reward_fn, computed on the host); per-token rewards
@@ -46,7 +47,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lm_jax import checkpoint, decoding, finetune, metrics_log, models, sharding, step, train as train_lib
-from lm_jax.data import pipeline
+from lm_jax.data import instructions, pipeline
 from lm_jax.objectives import clm, reward as reward_lib
 from lm_jax.peft import lora
 from lm_jax.rlhf import ppo_math, rewards
@@ -57,8 +58,11 @@ TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record
 # ------------------------------------------------------------------------------------------------------ prompts
 def read_prompts(config, tokenizer) -> list[list[int]]:
   """The token ids of every prompt in config.ppo.prompts (.txt: a prompt per non-empty line; .jsonl: the field
-  config.ppo.prompt_field), each cut to its last config.ppo.prompt_len tokens."""
+  config.ppo.prompt_field) in config.rlhf.template, as SFT formats its prompts, each cut to its last
+  config.ppo.prompt_len tokens."""
   p = config.ppo
+  if config.rlhf.template and "{prompt}" not in config.rlhf.template:
+    raise ValueError(f"config.rlhf.template must contain '{{prompt}}', got {config.rlhf.template!r}")
   files = sorted(glob.glob(p.prompts))
   if not files:
     raise FileNotFoundError(f"config.ppo.prompts={p.prompts!r} matches no file")
@@ -74,6 +78,7 @@ def read_prompts(config, tokenizer) -> list[list[int]]:
         texts.append(record[p.prompt_field])
     else:
       texts += lines
+  texts = [instructions.prompt_text(config, t) for t in texts]
   prompts = [ids[-p.prompt_len:] for ids in tokenizer.encode_batch(texts) if ids]
   if not prompts:
     raise ValueError(f"config.ppo.prompts={p.prompts!r}: no prompt in {', '.join(files)}")
