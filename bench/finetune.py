@@ -70,6 +70,30 @@ def _rows(path, tokenizer, seq_len):
   return enc, torch.tensor([int(p[1]) for p in pairs])
 
 
+def torch_adam(groups, lr, betas, eps, bias_correction):
+  """lm_jax.optim.adam in torch: Adam + decoupled weight decay (lr * wd * param) per group, bias correction
+  optional (off: BERT's AdamWeightDecayOptimizer, our bert_adamw; on: torch's AdamW)."""
+  import torch
+
+  class _Adam(torch.optim.Optimizer):
+    @torch.no_grad()
+    def step(self):
+      for g in self.param_groups:
+        b1, b2 = g["betas"]
+        for p in g["params"]:
+          s = self.state[p]
+          if not s:
+            s.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+          s["t"] += 1
+          s["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+          s["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+          c1, c2 = (1 - b1 ** s["t"], 1 - b2 ** s["t"]) if bias_correction else (1.0, 1.0)
+          u = (s["m"] / c1) / ((s["v"] / c2).sqrt() + g["eps"])
+          p.add_(u.add_(p, alpha=g["weight_decay"]), alpha=-g["lr"])
+
+  return _Adam(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+
+
 def peer(args) -> dict:
   import torch
   import transformers
@@ -79,7 +103,7 @@ def peer(args) -> dict:
   model = transformers.BertForSequenceClassification.from_pretrained(config.init_from, num_labels=2)
   if args.variant == "lora":
     import peft
-    lora = peft.LoraConfig(r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=0.0,
+    lora = peft.LoraConfig(r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
                            target_modules=["query", "value"], modules_to_save=["classifier"])
     model = peft.get_peft_model(model, lora)
   tokenizer = transformers.AutoTokenizer.from_pretrained(config.init_from)
@@ -90,8 +114,11 @@ def peer(args) -> dict:
   trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
   groups = [{"params": [p for n, p in trained if not no_decay(n)], "weight_decay": opt.weight_decay},
             {"params": [p for n, p in trained if no_decay(n)], "weight_decay": 0.0}]
-  optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.b1, opt.b2), eps=opt.eps)
-  schedule = transformers.get_linear_schedule_with_warmup(optimizer, opt.warmup_steps, config.total_steps)
+  if opt.name not in ("bert_adamw", "adamw"):
+    raise ValueError(f"the peer has no optimizer.name={opt.name!r}")
+  optimizer = torch_adam(groups, opt.lr, (opt.b1, opt.b2), opt.eps, bias_correction=opt.name == "adamw")
+  w, t = opt.warmup_steps, config.total_steps   # BERT's schedule as lm_jax.optim.schedule('linear')
+  schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / w if s < w else (t - s) / t)
   order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(config.seed))
   times = []
   model.train()
