@@ -122,7 +122,7 @@ def pretrained_params(config, mesh, rules) -> dict:
   mngr.close()
   params = restored.state["params"]
   if lora.enabled(source):   # a LoRA run's model is its merged one (NF4 kernels dequantised)
-    params = jax.jit(lambda p: lora.merge(lora.base(source, p), p[lora.KEY], lora.scale(source)))(params)
+    params = jax.jit(lambda p: lora.merged(source, p))(params)
   return _relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
 
 

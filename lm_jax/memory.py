@@ -86,7 +86,11 @@ def param_bytes(abstract_params, shardings) -> tuple[int, int]:
                   jax.tree.structure(abstract_params, is_leaf=nf4.is_nf4).flatten_up_to(shardings)):
     local = _sharded_bytes(a, s)
     nbytes += local
-    count += nf4.storage(a)[1] * local // nf4.storage(a)[0] if nf4.is_nf4(a) else local // np.dtype(a.dtype).itemsize
+    if nf4.is_nf4(a):
+      stored, represented = nf4.storage(a)
+      count += represented * local // stored
+    else:
+      count += local // np.dtype(a.dtype).itemsize
   return nbytes, count
 
 

@@ -101,7 +101,7 @@ def make_eval_step(config, objective, params_sharding, mesh):
     den = objective.denominators(batch)
     with lora.unmerged(config, train=False):   # as in training: a LoRA DPO run's reference is its base
       _, metrics = objective.loss(config, params, batch, den, rng=None, train=False)
-    outputs = objective.predict(config, lora.materialize(config, params), batch) if objective.predict else {}
+      outputs = objective.predict(config, params, batch) if objective.predict else {}
     return (*jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), (metrics, den)), outputs)
 
   return jax.jit(step, in_shardings=(params_sharding, sharding.batch_sharding(mesh)),

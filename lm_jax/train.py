@@ -270,9 +270,7 @@ def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = Fals
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     params = jax.device_get(params)
-    plain = lora.base(s.config, params)
-    if merged and lora.enabled(s.config):
-      plain = jax.device_get(lora.merge(plain, params[lora.KEY], lora.scale(s.config)))
+    plain = jax.device_get(lora.merged(s.config, params)) if merged else lora.base(s.config, params)
     export.save_hf(s.config.model, plain, export_dir, tokenizer=s.tokenizer)
     if lora.enabled(s.config) and not merged:
       peft_format.save(s.config, params, os.path.join(export_dir, "adapter"))

@@ -177,8 +177,8 @@ def test_init_merge_unmerge_and_config_errors():
   assert lora.scale(looped) == 8 / 8 and lora.scale(run_config("gpt", rank=4, rslora=True)) == 8 / 2
   with pytest.raises(ValueError, match="params hold LoRA adapters"):
     models.apply(looped.model, params, batch("gpt"))
-  bad = {"lora.targets": (("nothing_here",), "matches no Dense kernel"), "lora.dropout": (1.0, "lora.dropout must be in"),
-         "finetune.freeze": (("embeddings",), "exclude each other")}
+  bad = {"lora.targets": (("nothing_here",), "matches no Dense kernel"),
+         "lora.dropout": (1.0, "lora.dropout must be in"), "finetune.freeze": (("embeddings",), "exclude each other")}
   for field, (value, message) in bad.items():
     c = run_config("gpt")
     group, name = field.split(".")

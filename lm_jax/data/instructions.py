@@ -48,8 +48,14 @@ def check(config):
   for name in ("prompt_field", "response_field", "chosen_field", "rejected_field"):
     if not isinstance(r[name], str) or not r[name]:
       raise ValueError(f"config.rlhf.{name} must name a JSON field, got {r[name]!r}")
-  if r.template and "{prompt}" not in r.template:
-    raise ValueError(f"config.rlhf.template must contain '{{prompt}}', got {r.template!r}")
+  check_template(config)
+
+
+def check_template(config):
+  """One-line ValueError for a config.rlhf.template without '{prompt}' (PPO formats its prompts with it too)."""
+  template = config.rlhf.template
+  if template and "{prompt}" not in template:
+    raise ValueError(f"config.rlhf.template must contain '{{prompt}}', got {template!r}")
 
 
 def prompt_text(config, prompt: str) -> str:

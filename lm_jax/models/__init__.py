@@ -95,7 +95,7 @@ def logical_axes(model_cfg) -> dict:
 
 
 _ADAPTER = contextvars.ContextVar("lm_jax_adapter", default=None)
-ADAPTERS = "lora"   # the params key (and variable collection) of adapters, mirroring their Dense modules' paths
+ADAPTERS = layers.ADAPTERS   # the params key (and variable collection) of adapters, mirroring their Dense modules
 
 
 @contextlib.contextmanager
@@ -128,7 +128,7 @@ def _plain(params: dict) -> None:
 
 
 def _split_nf4(tree: dict) -> tuple[dict, dict]:
-  """(tree without its NF4 leaves, the NF4 leaves at the same paths): the 'nf4' collection layers.Dense reads."""
+  """(tree without its NF4 leaves, the NF4 leaves at the same paths): the collection layers.Dense reads."""
   plain, quantised = {}, {}
   for k, v in tree.items():
     if isinstance(v, dict):
@@ -143,7 +143,7 @@ def _split_nf4(tree: dict) -> tuple[dict, dict]:
 
 
 def _variables(params: dict) -> dict:
-  """Flax variables of run params: NF4 kernels (QLoRA) in the 'nf4' collection, adapters (under `adapter`) in
+  """Flax variables of run params: NF4 kernels (QLoRA) in layers.QUANTISED, adapters (under `adapter`) in
   ADAPTERS."""
   if ADAPTERS in params and _ADAPTER.get() is not None:
     adapters, params = params[ADAPTERS], {k: v for k, v in params.items() if k != ADAPTERS}
@@ -151,7 +151,8 @@ def _variables(params: dict) -> dict:
     _plain(params)
     adapters = None
   params, quantised = _split_nf4(params)
-  return {"params": params, **({"nf4": quantised} if quantised else {}), **({ADAPTERS: adapters} if adapters else {})}
+  return {"params": params, **({layers.QUANTISED: quantised} if quantised else {}),
+          **({ADAPTERS: adapters} if adapters else {})}
 
 
 def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:

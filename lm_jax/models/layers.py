@@ -28,6 +28,10 @@ from lm_jax.peft import nf4
 
 Init = Callable[..., jax.Array]
 
+# Variable collections beside 'params' that lm_jax.models.apply fills from the run's params, at the same module
+# paths and scanned with their layers: LoRA adapters (lm_jax.peft.lora) and NF4 kernels (QLoRA, Dense reads them).
+ADAPTERS, QUANTISED = "lora", "nf4"
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),   # exact erf (HF "gelu")
@@ -122,7 +126,7 @@ class Dense(nn.Module):
 
   `axes` names every kernel dim (inputs then outputs); the number of input dims is
   len(axes) - len(features), so (D,) -> (H, Dh) is features=(H, Dh), axes=('embed','heads','kv').
-  A frozen kernel stored as NF4 (QLoRA) comes in the 'nf4' collection and is dequantised inside the matmul.
+  A frozen kernel stored as NF4 (QLoRA) comes in the QUANTISED collection and is dequantised inside the matmul.
   """
   features: Sequence[int]
   axes: Sequence[str | None]
@@ -138,8 +142,8 @@ class Dense(nn.Module):
     n_in = len(self.axes) - len(features)
     shape = x.shape[x.ndim - n_in:] + features
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    if self.has_variable("nf4", "kernel"):
-      y = nf4.matmul(x, self.get_variable("nf4", "kernel"), contract, self.dtype)
+    if self.has_variable(QUANTISED, "kernel"):
+      y = nf4.matmul(x, self.get_variable(QUANTISED, "kernel"), contract, self.dtype)
     else:
       kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, tuple(self.axes)),
                           shape, self.param_dtype)
@@ -376,8 +380,8 @@ def stack(block: type[nn.Module], num_layers: int, *, scan: bool, remat: str = "
   The block is called as block(x, cache, *shared) -> (x, cache): `cache` is that layer's slice of a
   pytree stacked on a leading layer axis (or None), `shared` (masks, biases, encoder output, cache
   index) is the same for every layer. Returns f(x, cache, *shared) -> (x, stacked new cache).
-  scan=True: nn.scan, params (and adapters, NF4 kernels: lm_jax.models.apply) under `name` with a leading 'layers' axis
-  (compile time independent of depth); False: a python loop over `name_0` ... Remat policy per REMAT_POLICIES.
+  scan=True: nn.scan, params (and the ADAPTERS and QUANTISED collections) under `name` with a leading 'layers'
+  axis (compile time independent of depth); False: a python loop over `name_0` ... Remat policy per REMAT_POLICIES.
   """
   if remat not in REMAT_POLICIES:
     raise ValueError(f"unknown remat_policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
@@ -385,9 +389,9 @@ def stack(block: type[nn.Module], num_layers: int, *, scan: bool, remat: str = "
     block = nn.remat(block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
   if scan:
     def scanned(x, cache, *shared):
-      layer = nn.scan(block, variable_axes={"params": 0, "lora": 0, "nf4": 0}, split_rngs={"params": True, "dropout": True},
-                      in_axes=(0,) + (nn.broadcast,) * len(shared), length=num_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
+      layer = nn.scan(block, variable_axes={"params": 0, ADAPTERS: 0, QUANTISED: 0},
+                      split_rngs={"params": True, "dropout": True}, in_axes=(0,) + (nn.broadcast,) * len(shared),
+                      length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
       return layer(name=name, **block_attrs)(x, cache, *shared)
     return scanned
 

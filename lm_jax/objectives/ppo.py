@@ -1,6 +1,7 @@
 """PPO from a reward (InstructGPT's third step, Ouyang et al. 2022): an objective with a loop of its own,
 lm_jax.rlhf.ppo.train, which train.train hands the run to. Its data fields are the causal LM's: the pre-training
 stream of PPO-ptx (config.ppo.ptx_coef > 0) read from config.data like a clm run."""
+from lm_jax.data import instructions
 from lm_jax.objectives import clm
 from lm_jax.objectives.registry import Lengths, Objective, no_transform
 from lm_jax.rlhf import rewards
@@ -18,6 +19,7 @@ def check(config):
            f"model's workdir) or config.ppo.reward_fn (one of {', '.join(sorted(rewards.REWARD_FNS))})")
   if p.reward_fn:
     rewards.get(p.reward_fn)
+  instructions.check_template(config)   # prompts are formatted as SFT's (lm_jax.rlhf.ppo.read_prompts)
   _require(bool(p.prompts), "config.ppo.prompts must name the prompt files (.txt: a prompt per line; .jsonl: "
            "config.ppo.prompt_field)")
   _require(p.prompt_len >= 1 and p.max_new_tokens >= 1,

@@ -36,8 +36,9 @@ from jax.sharding import PartitionSpec as P
 
 from lm_jax import models
 from lm_jax.models import layers
+from lm_jax.peft import nf4
 
-KEY = "lora"                          # the adapters' top-level key in the params tree
+KEY = models.ADAPTERS                 # the adapters' top-level key in the params tree
 _LAYER = re.compile(r"layers_(\d+)")
 
 
@@ -203,7 +204,6 @@ def quantize(config, base: dict) -> dict:
   by layer), else as they are."""
   if not config.get("qlora", False):
     return base
-  from lm_jax.peft import nf4
   return nf4.quantize_tree(base, *_quantize_patterns(config))
 
 
@@ -226,7 +226,6 @@ def _nf4_specs(q, spec: P):
   """Logical specs of an NF4 kernel's parts: the 4-bit codes and 8-bit absmax, flat in row-major order, split as
   the kernel's first input axis is (whole rows per shard, as the float kernel's would be); the few statistics
   left replicated. A scanned stack's leading layer axis stays one."""
-  from lm_jax.peft import nf4
   lead = tuple(spec[:len(nf4.layers(q))])
   first = spec[len(lead)]
   return dataclasses.replace(q, codes=P(*lead, first), absmax=P(*lead, first),
@@ -313,9 +312,15 @@ def base(config, params: dict) -> dict:
   """The base model's plain params: adapters dropped, NF4 kernels dequantised to model.param_dtype."""
   plain = {k: v for k, v in params.items() if k != KEY}
   if enabled(config) and config.get("qlora", False):
-    from lm_jax.peft import nf4
     plain = nf4.dequantize_tree(plain, layers.dtype(config.model.param_dtype))
   return plain
+
+
+def merged(config, params: dict) -> dict:
+  """The model a run trained, as plain params in model.param_dtype: `base` with the adapters merged in (what
+  --export_merged writes and a next stage's init_from reads); params as they are without LoRA."""
+  plain = base(config, params)
+  return merge(plain, params[KEY], scale(config)) if enabled(config) else plain
 
 
 def materialize(config, params: dict) -> dict:
@@ -325,7 +330,6 @@ def materialize(config, params: dict) -> dict:
     return params
   plain = {k: v for k, v in params.items() if k != KEY}
   if config.get("qlora", False):
-    from lm_jax.peft import nf4
     plain = nf4.dequantize_tree(plain, layers.dtype(config.model.dtype))
   return _apply(plain, params[KEY], scale(config))
 

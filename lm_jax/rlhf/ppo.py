@@ -61,8 +61,7 @@ def read_prompts(config, tokenizer) -> list[list[int]]:
   config.ppo.prompt_field) in config.rlhf.template, as SFT formats its prompts, each cut to its last
   config.ppo.prompt_len tokens."""
   p = config.ppo
-  if config.rlhf.template and "{prompt}" not in config.rlhf.template:
-    raise ValueError(f"config.rlhf.template must contain '{{prompt}}', got {config.rlhf.template!r}")
+  instructions.check_template(config)
   files = sorted(glob.glob(p.prompts))
   if not files:
     raise FileNotFoundError(f"config.ppo.prompts={p.prompts!r} matches no file")
@@ -279,7 +278,8 @@ def _initial_params(s: train_lib.Setup, policy: _Part, value: _Part, reward_mode
                                out_shardings=part.sharding["params"])(seed)
   params = fresh(policy)
   if c.init_from:
-    params, report = finetune.initial_params(c, params, lora.prepare(c, finetune.pretrained_params(c, s.mesh, s.rules)))
+    pretrained = lora.prepare(c, finetune.pretrained_params(c, s.mesh, s.rules))
+    params, report = finetune.initial_params(c, params, pretrained)
     train_lib._print(report)
   reward = None
   if reward_model:
@@ -362,9 +362,9 @@ def iteration(run: Run, state: dict, ptx_it, it: int) -> tuple[dict, dict]:
 
   chosen = gen.choice(len(run.prompts), c.batch_size, replace=len(run.prompts) < c.batch_size)
   prompts = [run.prompts[i] for i in chosen]
-  responses = decoding.generate(c.model, run.sampled(state["policy"]["params"]), prompts, max_new_tokens=p.max_new_tokens,
-                                method="sample", temperature=p.temperature, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                seed=int(gen.integers(2**31 - 1)))
+  responses = decoding.generate(c.model, run.sampled(state["policy"]["params"]), prompts,
+                                max_new_tokens=p.max_new_tokens, method="sample", temperature=p.temperature,
+                                eos_id=tok.eos_id, pad_id=tok.pad_id, seed=int(gen.integers(2**31 - 1)))
   rollout_end = time.perf_counter()
 
   rows = assemble(prompts, responses, p.prompt_len, p.max_new_tokens, tok.pad_id)
