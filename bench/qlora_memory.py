@@ -5,7 +5,7 @@
 
 Both runs are the same config but for config.qlora: LoRA r=8 on the attention query / value kernels, the rest
 frozen. `args` is what the step is handed (the train state, mostly the frozen base), `temp` what XLA allocates
-inside it; their sum is the step's peak on one device. QLoRA stores the base as NF4 (lm_jax/peft/nf4.py) and
+inside it; their sum is the step's peak on one device. QLoRA stores the base as NF4 (lm_jax/models/nf4.py) and
 dequantises each kernel inside its matmul (layers.Dense, nf4.matmul, recomputed in the backward pass), so its
 temp should stay at LoRA's: a step that dequantised the whole model first would add a float copy of the base.
 Nothing runs: the step is only compiled (jax.jit(...).lower(...).compile().memory_analysis()).

@@ -4,7 +4,7 @@
 
 params, optimizer state: exact. The train state's abstract params and optimizer state (step.state_layout) are
   placed by the trainer's own rules (sharding.logical_to_sharding, opt_state_sharding) on an AbstractMesh of the
-  requested sizes; bytes = sum of shard sizes, also shown per parameter (NF4-quantised weights, lm_jax.peft.nf4,
+  requested sizes; bytes = sum of shard sizes, also shown per parameter (NF4-quantised weights, lm_jax.models.nf4,
   count as the weights they stand for: ~0.516 bytes each).
 gradients: float32 copy of the trainable params' shards (step.py casts them; finetune.trainable_mask: frozen
   params, LoRA's base and its NF4 weights get none), twice with microbatches (accumulator plus the current
@@ -36,7 +36,7 @@ from jax.sharding import AbstractMesh
 
 from lm_jax import finetune, models, objectives, sharding, step
 from lm_jax.models import layers, t5
-from lm_jax.peft import nf4
+from lm_jax.models import nf4
 
 GiB = 2**30
 

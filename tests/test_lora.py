@@ -338,7 +338,7 @@ def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):
   export (the dequantised base + adapter/) reproduces."""
   from flax import linen as nn
   from lm_jax import objectives, sharding, step
-  from lm_jax.peft import nf4
+  from lm_jax.models import nf4
   from test_step import _batch, _config
   config = _config("clm", total_steps=3)
   config.model.update(d_ff=128, num_layers=2)

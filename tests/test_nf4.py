@@ -1,4 +1,4 @@
-"""NF4 with double quantisation (lm_jax.peft.nf4) against bitsandbytes' quantize_4bit / dequantize_4bit on CPU."""
+"""NF4 with double quantisation (lm_jax.models.nf4) against bitsandbytes' quantize_4bit / dequantize_4bit on CPU."""
 import contextlib
 import io
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lm_jax import config_lib, models
-from lm_jax.peft import nf4
+from lm_jax.models import nf4
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 torch = pytest.importorskip("torch")

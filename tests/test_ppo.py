@@ -323,7 +323,8 @@ def test_ppo_with_qlora_trains_only_adapters_and_chains_merged(overrides, compil
   through init_from, is the merged model the rollouts sampled from. (On this random-init policy LoRA does not raise
   the reward within a few iterations as a full update does; its gradients equal the merged model's, test_lora.)"""
   from lm_jax import finetune, sharding
-  from lm_jax.peft import lora, nf4
+  from lm_jax.models import nf4
+  from lm_jax.peft import lora
   fields = {**overrides, "total_steps": 8, "ppo.ptx_coef": 0.0, "lora.rank": 8, "lora.alpha": 16.0, "qlora": True,
             "lora.targets": ("attention/(query|value)/", "mlp/"), "optimizer.lr": 1e-2}
   config = config_lib.load("configs/rlhf/ppo.py:tiny", fields)

@@ -9,8 +9,6 @@ t5.py) provides
   HEADS                 (optional) top-level param names that are task heads (summary counts them apart)
   init_cache, decode_step   (decoders) incremental decoding with an explicit KV-cache pytree
 """
-import contextlib
-import contextvars
 import importlib
 import math
 
@@ -18,7 +16,7 @@ import flax.linen as nn
 import jax
 
 from lm_jax.models import layers
-from lm_jax.peft import nf4
+from lm_jax.models.variables import ADAPTERS, adapter, check_plain, of_params
 
 FAMILIES = ("bert", "gpt", "t5")
 REFERENCE = "reference"   # the params subtree of a model.frozen_reference copy
@@ -94,70 +92,9 @@ def logical_axes(model_cfg) -> dict:
   return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(model_cfg, jax.random.PRNGKey(0))))
 
 
-_ADAPTER = contextvars.ContextVar("lm_jax_adapter", default=None)
-ADAPTERS = layers.ADAPTERS   # the params key (and variable collection) of adapters, mirroring their Dense modules
-
-
-@contextlib.contextmanager
-def adapter(fn):
-  """Within it, `apply` runs params holding adapters under ADAPTERS: they become a variable collection (scanned
-  with their layers) and each layers.Dense that has some returns fn(module, x, y) instead of its output y. This is
-  how LoRA's x·A·B path (lm_jax/peft/lora.py) runs without a model that knows about it."""
-  def intercept(next_fun, args, kwargs, context):
-    y = next_fun(*args, **kwargs)
-    module = context.module
-    if context.method_name == "__call__" and isinstance(module, layers.Dense) and module.has_variable(ADAPTERS, "a"):
-      return fn(module, args[0], y)
-    return y
-
-  if _ADAPTER.get() is not None:
-    raise ValueError("models.adapter contexts do not nest: the adapters would be applied twice")
-  token = _ADAPTER.set(fn)
-  try:
-    with nn.intercept_methods(intercept):
-      yield
-  finally:
-    _ADAPTER.reset(token)
-
-
-def _plain(params: dict) -> None:
-  """Params still holding adapters would run without them: refuse them."""
-  if ADAPTERS in params:
-    raise ValueError("params hold LoRA adapters (params['lora']), which the model would ignore; pass "
-                     "lm_jax.peft.lora.materialize(config, params) or run under lm_jax.peft.lora.unmerged(config)")
-
-
-def _split_nf4(tree: dict) -> tuple[dict, dict]:
-  """(tree without its NF4 leaves, the NF4 leaves at the same paths): the collection layers.Dense reads."""
-  plain, quantised = {}, {}
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      plain[k], q = _split_nf4(v)
-      if q:
-        quantised[k] = q
-    elif nf4.is_nf4(v):
-      quantised[k] = v
-    else:
-      plain[k] = v
-  return plain, quantised
-
-
-def _variables(params: dict) -> dict:
-  """Flax variables of run params: NF4 kernels (QLoRA) in layers.QUANTISED, adapters (under `adapter`) in
-  ADAPTERS."""
-  if ADAPTERS in params and _ADAPTER.get() is not None:
-    adapters, params = params[ADAPTERS], {k: v for k, v in params.items() if k != ADAPTERS}
-  else:
-    _plain(params)
-    adapters = None
-  params, quantised = _split_nf4(params)
-  return {"params": params, **({layers.QUANTISED: quantised} if quantised else {}),
-          **({ADAPTERS: adapters} if adapters else {})}
-
-
 def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:
   """Forward pass; dropout only when train=True (rng required then)."""
-  variables = _variables(params)
+  variables = of_params(params)
   if train and rng is None:
     raise ValueError("models.apply(train=True) needs an rng for dropout")
   cfg = layers.frozen(model_cfg)
@@ -168,7 +105,7 @@ def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None,
 def init_cache(model_cfg, params: dict, batch: dict, max_length: int) -> dict:
   """KV cache for decoding up to `max_length` positions. GPT: sized for batch['input_ids'] (params
   unused); T5: also runs the encoder on batch['input_ids'/'attention_mask'] once."""
-  _plain(params)
+  check_plain(params)
   return family_module(model_cfg).init_cache(layers.frozen(model_cfg), params, batch, max_length)
 
 
@@ -176,7 +113,7 @@ def decode_step(model_cfg, params: dict, input_ids: jax.Array, cache: dict,
                 attention_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Feeds the next (decoder) tokens (B,T) at cache['index'] -> (their logits (B,T,V), updated cache).
   attention_mask (B,T) marks padding among the new tokens. Jit it with model_cfg closed over."""
-  _plain(params)
+  check_plain(params)
   return family_module(model_cfg).decode_step(layers.frozen(model_cfg), params, input_ids, cache, attention_mask)
 
 

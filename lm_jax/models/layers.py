@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lm_jax.peft import nf4
+from lm_jax.models import nf4
 
 Init = Callable[..., jax.Array]
 

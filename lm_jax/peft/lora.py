@@ -16,7 +16,7 @@ never applied, so no path can silently run without them.
 Only the adapters and the params matched by config.lora.modules_to_save (PEFT's name; the task head by default)
 train: finetune.trainable_mask gives the step and the optimizer that split, so the base gets no gradients and no
 optimizer state. With config.qlora the frozen Dense kernels are stored as NF4 with double quantisation
-(lm_jax.peft.nf4), a scanned stack's layer by layer; the models dequantise each inside its matmul
+(lm_jax.models.nf4), a scanned stack's layer by layer; the models dequantise each inside its matmul
 (layers.Dense, nf4.matmul), so a step holds one float kernel at a time, not a float copy of the model.
 
 Init as PEFT: A Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); B zeros, so the adapted model
@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from lm_jax import models
 from lm_jax.models import layers
-from lm_jax.peft import nf4
+from lm_jax.models import nf4
 
 KEY = models.ADAPTERS                 # the adapters' top-level key in the params tree
 _LAYER = re.compile(r"layers_(\d+)")
