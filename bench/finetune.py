@@ -52,11 +52,11 @@ def _config(args):
 
 
 def ours(args) -> dict:
-  from lm_jax import finetune, malloc, metrics_log, train
+  from lm_jax import finetune, malloc, metrics_log, params, train
   malloc.keep_freed_memory()
   config = _config(args)
   with tempfile.TemporaryDirectory() as workdir:
-    trainable = finetune.trainable_count(finetune.resolve(config))[0]
+    trainable = params.count(finetune.resolve(config))[0]
     train.train(config, workdir)
     records = metrics_log.read(os.path.join(workdir, "metrics.jsonl"))
     speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]

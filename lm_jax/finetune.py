@@ -11,14 +11,9 @@ checkpoint, write predictions.
   tokens' rows) keeps the fresh init drawn from the run's seed; the
   pre-trained heads the run's model lacks are dropped (BERT §4: the MLM / NSP heads give way to the classifier).
   finetune.reinit_top_layers resets the top layers of every layer stack to the fresh init.
-- layer_decay: finetune.layer_decay < 1 gives layer i the learning rate lr * decay^(num_layers - i)
-  (lm_jax.optim.layer_lr_scales).
 - Best: finetune.best_metric (e.g. eval_accuracy) keeps the checkpoint of the best eval in WORKDIR/best.
 - predict: --mode=predict, the latest checkpoint's predictions for task.test_split as a TSV.
-- trainable_mask / split / merge: finetune.freeze holds regexes over parameter paths ('/'-joined, layers named
-  as when looped: 'word_embeddings/embedding', 'layers_3/mlp/wi/kernel'); matching parameters are frozen: the
-  train step differentiates only the trainable part and the optimizer keeps state only for it (lm_jax/step.py,
-  lm_jax/optim.py), while checkpoints still hold every parameter.
+What trains (finetune.freeze, finetune.layer_decay, adapters) is lm_jax.params.
 """
 import glob
 import json
@@ -33,9 +28,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from lm_jax import checkpoint, models, objectives, sharding
+from lm_jax import checkpoint, models, objectives, params as params_lib, sharding
 from lm_jax.models import layers
-from lm_jax.peft import lora
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
 RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
@@ -121,8 +115,8 @@ def pretrained_params(config, mesh, rules) -> dict:
   restored = checkpoint.restore_latest(mngr, abstract, shardings, source, with_data=False)
   mngr.close()
   params = restored.state["params"]
-  if lora.enabled(source):   # a LoRA run's model is its merged one (NF4 kernels dequantised)
-    params = jax.jit(lambda p: lora.merged(source, p))(params)
+  if params_lib.method(source):   # an adapter run's model is its merged one (NF4 kernels dequantised)
+    params = jax.jit(lambda p: params_lib.merged(source, p))(params)
   return _relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
 
 
@@ -193,30 +187,11 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
   return params, report
 
 
-# ------------------------------------------------------------------------------------------------------ freezing
-def _patterns(config) -> tuple:
-  """finetune.freeze, and the reference copy of model.frozen_reference."""
-  group = config.get("finetune")
-  reference = (f"^{models.REFERENCE}/",) if config.model.get("frozen_reference", False) else ()
-  return (tuple(group.get("freeze", ())) if group is not None else ()) + reference
-
-
-def layer_decay(config) -> float:
-  """config.finetune.layer_decay (1.0 = every layer at the same lr), 1.0 for configs without the field."""
-  group = config.get("finetune")
-  return float(group.get("layer_decay", 1.0)) if group is not None else 1.0
-
-
-def _frozen_looped(model_cfg, patterns) -> dict:
-  """{looped path string: frozen?} of every parameter."""
-  looped = models.abstract_params(layers.replace(model_cfg, scan_layers=False))
-  return {"/".join(p): any(re.search(rx, "/".join(p)) for rx in patterns) for p in _paths(looped)}
-
-
+# ------------------------------------------------------------------------------------------------------ checks
 def check(config):
-  """One-line ValueError naming the config.finetune (or config.lora) field that cannot apply to config.model."""
-  lora.check(config)
-  patterns, top = _patterns(config), config.finetune.reinit_top_layers
+  """One-line ValueError naming the config.finetune field that cannot apply to config.model (what trains:
+  lm_jax.params.check)."""
+  top = config.finetune.reinit_top_layers
   if not 0 <= top <= config.model.num_layers:
     raise ValueError(f"config.finetune.reinit_top_layers must be in [0, model.num_layers={config.model.num_layers}],"
                      f" got {top}")
@@ -226,79 +201,6 @@ def check(config):
   if best and (not best.startswith("eval_") or not config.eval_every):
     raise ValueError(f"config.finetune.best_metric={best!r} must name an eval metric (eval_accuracy, eval_loss, ...) "
                      f"and needs config.eval_every > 0, got eval_every={config.eval_every}")
-  decay = layer_decay(config)
-  if not 0 < decay <= 1:
-    raise ValueError(f"config.finetune.layer_decay must be in (0, 1] (1 = off), got {decay}")
-  if decay != 1 and config.model.family not in ("bert", "gpt"):
-    raise ValueError(f"config.finetune.layer_decay needs a bert or gpt model (one layer stack), got "
-                     f"{config.model.family!r}")
-  for rx in patterns:
-    try:
-      re.compile(rx)
-    except re.error as e:
-      raise ValueError(f"config.finetune.freeze: {rx!r} is not a regular expression ({e})") from None
-  if patterns:
-    frozen = _frozen_looped(config.model, patterns)
-    for rx in patterns:
-      if not any(re.search(rx, p) for p in frozen):
-        raise ValueError(f"config.finetune.freeze: {rx!r} matches no parameter (paths look like "
-                         f"{next(iter(frozen))!r}, {next(p for p in frozen if p.startswith('layers_'))!r})")
-    if all(frozen.values()):
-      raise ValueError(f"config.finetune.freeze={patterns!r} freezes every parameter")
-    trainable_mask(config)
-
-
-def trainable_mask(config) -> dict | None:
-  """Bool tree over config.model's params (in its layout): False for the frozen ones; None when nothing is. With
-  LoRA the adapters and lora.modules_to_save train (lm_jax.peft.lora.trainable_mask)."""
-  if lora.enabled(config):
-    return lora.trainable_mask(config)
-  patterns = _patterns(config)
-  if not patterns:
-    return None
-  frozen = _frozen_looped(config.model, patterns)
-  mask = {}
-  for path, is_frozen in frozen.items():
-    keys = ["layers" if config.model.scan_layers and _LAYER.fullmatch(k) else k for k in path.split("/")]
-    node = mask
-    for k in keys[:-1]:
-      node = node.setdefault(k, {})
-    if node.get(keys[-1], not is_frozen) != (not is_frozen):
-      raise ValueError(f"config.finetune.freeze={patterns!r} freezes some layers of a scanned stack "
-                       f"({'/'.join(keys)}); set config.model.scan_layers=False")
-    node[keys[-1]] = not is_frozen
-  return mask
-
-
-def split(tree: dict, mask: dict | None) -> tuple[dict, dict]:
-  """(trainable, frozen) parts of a params-shaped nested dict; with mask None, (tree, {})."""
-  if mask is None:
-    return tree, {}
-  trainable, frozen = {}, {}
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      a, b = split(v, mask[k])
-      trainable.update({k: a} if a else {})
-      frozen.update({k: b} if b else {})
-    else:
-      (trainable if mask[k] else frozen)[k] = v
-  return trainable, frozen
-
-
-def merge(a: dict, b: dict) -> dict:
-  """The union of two disjoint nested dicts (inverse of split)."""
-  out = dict(a)
-  for k, v in b.items():
-    out[k] = merge(out[k], v) if k in out else v
-  return out
-
-
-def trainable_count(config) -> tuple[int, int]:
-  """(trainable, total) parameter counts of config.model under config.finetune.freeze (or LoRA)."""
-  if lora.enabled(config):
-    return lora.count(config)
-  abstract = models.abstract_params(config.model)
-  return models.count(split(abstract, trainable_mask(config))[0]), models.count(abstract)
 
 
 # -------------------------------------------------------------------------------------------------- best checkpoint
@@ -362,7 +264,7 @@ def predict(config, workdir: str) -> tuple[str, dict]:
   c.data.eval_split, c.data.eval_batches = c.task.test_split, 0
   safe = "".join(ch if ch in string.ascii_letters + string.digits + "-_" else "_" for ch in c.task.test_split)
   path = os.path.join(workdir, f"predictions_{safe}.tsv")
-  texts = s.objective.predict_texts(c, lora.materialize(c, params), s.tokenizer, c.task.test_split) \
+  texts = s.objective.predict_texts(c, params_lib.materialize(c, params), s.tokenizer, c.task.test_split) \
       if s.objective.predict_texts else None
   if texts is not None:   # decoded texts (free-form T5 targets): tabs and newlines inside them become spaces
     clean = lambda t: " ".join(t.split())

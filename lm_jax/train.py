@@ -17,8 +17,8 @@ from flax import linen as nn
 from jax.sharding import Mesh
 
 from lm_jax import checkpoint, config_lib, evaluate, finetune, hardware, metrics_log, objectives, sharding, step
+from lm_jax import params as params_lib
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
-from lm_jax.peft import lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ def _init_or_restore(s: Setup, mngr, train_it):
   if restored is None:
     state = step.fresh_state(s.config, s.tx, s.state_sharding)
     if s.config.init_from:   # pre-trained params; new heads keep the seeded init (optimizer states are zeros)
-      pretrained = lora.prepare(s.config, finetune.pretrained_params(s.config, s.mesh, s.rules))
+      pretrained = params_lib.prepare(s.config, finetune.pretrained_params(s.config, s.mesh, s.rules))
       params, report = finetune.initial_params(s.config, state["params"], pretrained)
       state = dict(state, params=jax.device_put(params, s.state_sharding["params"]))
       _print(report)
@@ -193,7 +193,7 @@ def train(config, workdir: str, *, devices=None) -> dict:
   if loop:
     return loop(config, workdir, devices=devices)
   s = setup(config, workdir, devices)
-  trainable, total = finetune.trainable_count(s.config)
+  trainable, total = params_lib.count(s.config)
   _print(f"parameters: {trainable:,} trainable of {total:,}")
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
   train_it = _hosts("train", s)
@@ -220,7 +220,7 @@ def _params_from_hf(config, workdir: str):
     config.model = model_cfg
     config.data.tokenizer = config.data.tokenizer or config.init_from
   s = setup(config, workdir)
-  return s, jax.device_put(lora.prepare(s.config, params, fill=True), s.state_sharding["params"]), 0
+  return s, jax.device_put(params_lib.prepare(s.config, params, fill=True), s.state_sharding["params"]), 0
 
 
 def _has_checkpoint(workdir: str) -> bool:
@@ -263,16 +263,15 @@ def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = Fals
   A LoRA run writes its base model there and its adapters in the PEFT format to export_dir/adapter, or with
   `merged` the model with the adapters merged in."""
   from lm_jax.hf import export
-  from lm_jax.peft import peft_format
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     params = jax.device_get(params)
-    plain = jax.device_get(lora.merged(s.config, params)) if merged else lora.base(s.config, params)
+    plain = jax.device_get(params_lib.merged(s.config, params)) if merged else params_lib.base(s.config, params)
     export.save_hf(s.config.model, plain, export_dir, tokenizer=s.tokenizer)
-    if lora.enabled(s.config) and not merged:
-      peft_format.save(s.config, params, os.path.join(export_dir, "adapter"))
+    if not merged:
+      params_lib.save_adapter(s.config, params, os.path.join(export_dir, "adapter"))
   _print(f"exported step {latest} to {export_dir}")
   return export_dir

@@ -105,7 +105,7 @@ def get_config(arg="sst2"):
   c.log_every, c.eval_every, c.checkpoint_every = 10, 60, 60
   if arg != "minilm_sst2":   # LoRA (Hu et al. 2022 §4): r=8 on query / value; only adapters and classifier train
     c.lora.rank, c.lora.alpha, c.lora.targets = 8, 16.0, ("attention/(query|value)/",)
-    c.qlora = arg == "minilm_sst2_qlora"
+    c.lora.qlora = arg == "minilm_sst2_qlora"
     # Adapters take a larger lr; LoRA: 0.82 dev accuracy after the 60 steps (bench/README.md). bert_adamw has no bias
     # correction, so over 60 steps its updates are 3-6.6x a bias-corrected AdamW's at the same lr: with
     # optimizer.name=adamw this lr leaves the dev accuracy at 0.51.

@@ -22,7 +22,7 @@ response position, initialised as InstructGPT's from the reward model (config.pp
 reward from the policy's initial weights and a fresh head. Separate, its regression does not pull on the policy's
 features and it has its own optimizer (learning rate config.ppo.value_lr), so TRL's vf_coef, a weight between two
 losses of one model, has no role. Everything runs without dropout: an iteration's first update has ratio 1.
-With LoRA / QLoRA (config.lora, config.qlora) policy and value model each train their own adapters on a frozen
+With LoRA / QLoRA (config.lora, config.lora.qlora) policy and value model each train their own adapters on a frozen
 base; rollouts sample from the merged policy, the scoring pass applies the adapters as the updates do
 (docs/lora.md).
 
@@ -46,10 +46,10 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import checkpoint, decoding, finetune, metrics_log, models, sharding, step, train as train_lib
+from lm_jax import checkpoint, decoding, finetune, metrics_log, models, params as params_lib, sharding, step
+from lm_jax import train as train_lib
 from lm_jax.data import instructions, pipeline
 from lm_jax.objectives import clm, reward as reward_lib
-from lm_jax.peft import lora
 from lm_jax.rlhf import ppo_math, rewards
 
 TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record, with tokens_per_sec
@@ -111,7 +111,7 @@ def _apply(model_cfg, params, batch):
 def _as_in_step(config, fn, params, batch):
   """fn(config, params, batch) outside the train step, LoRA adapters applied as the step applies them, so the
   scoring pass's log-probabilities are the ones the first update recomputes."""
-  with lora.unmerged(config, train=False):
+  with params_lib.running(config, train=False):
     return fn(config, params, batch)
 
 
@@ -235,7 +235,7 @@ class Run:
   reward_fn: object        # config.ppo.reward_fn's function or None
   prompts: list
   score: object            # the jitted scoring pass
-  sampled: object          # policy params -> what decoding samples from (LoRA adapters merged: lora.materialize)
+  sampled: object          # policy params -> what decoding samples from (adapters merged: params.materialize)
   initial: dict            # params: policy (= the frozen reference), value, reward_model (None with an exact reward)
 
 
@@ -259,12 +259,13 @@ def build(config, workdir: str, devices=None) -> Run:
   prompts = read_prompts(c, s.tokenizer)
   policy = _part(_update_config(c, c.model, c.optimizer.lr, c.finetune.freeze), s.mesh, s.rules, _POLICY)
   value_config = _update_config(c, value_model, p.value_lr or c.optimizer.lr, ())
-  with value_config.unlocked():
-    value_config.lora.init_from = ""   # a PEFT adapter directory is the policy's
+  if params_lib.method(value_config):
+    with value_config.unlocked():
+      value_config[params_lib.method(value_config)].init_from = ""   # a PEFT adapter directory is the policy's
   value = _part(value_config, s.mesh, s.rules, _VALUE)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     initial = _initial_params(s, policy, value, reward_model)
-  sampled = jax.jit(lambda params: lora.materialize(c, params)) if lora.enabled(c) else lambda params: params
+  sampled = jax.jit(lambda params: params_lib.materialize(c, params)) if params_lib.method(c) else lambda params: params
   return Run(s, workdir, policy, value, reward_model, rewards.get(p.reward_fn) if p.reward_fn else None, prompts,
              _scoring_pass(c, value_model, reward_model, s.mesh), sampled, initial)
 
@@ -274,18 +275,18 @@ def _initial_params(s: train_lib.Setup, policy: _Part, value: _Part, reward_mode
   value model's: the reward model's, or the policy's with a fresh head."""
   c = s.config
   seed = jax.random.fold_in(jax.random.key(c.seed), 0)
-  fresh = lambda part: jax.jit(lambda k: lora.init_params(part.config, k),
+  fresh = lambda part: jax.jit(lambda k: params_lib.init(part.config, k),
                                out_shardings=part.sharding["params"])(seed)
   params = fresh(policy)
   if c.init_from:
-    pretrained = lora.prepare(c, finetune.pretrained_params(c, s.mesh, s.rules))
+    pretrained = params_lib.prepare(c, finetune.pretrained_params(c, s.mesh, s.rules))
     params, report = finetune.initial_params(c, params, pretrained)
     train_lib._print(report)
   reward = None
   if reward_model:
     reward = finetune.pretrained_params(_replace(c, model=reward_model, init_from=c.ppo.reward_from), s.mesh, s.rules)
-  source = lora.base(c, params) if reward is None else reward
-  value_params, _ = finetune.initial_params(value.config, fresh(value), lora.prepare(value.config, source))
+  source = params_lib.base(c, params) if reward is None else reward
+  value_params, _ = finetune.initial_params(value.config, fresh(value), params_lib.prepare(value.config, source))
   put = lambda tree, part: jax.device_put(tree, part.sharding["params"])
   return {"policy": put(params, policy), "value": put(value_params, value), "reward_model": reward}
 
@@ -334,7 +335,7 @@ def initial_state(run: Run) -> dict:
 
   def train_state(part, params):
     params = jax.tree.map(jnp.copy, params)
-    return step.init_state(params, part.tx, finetune.trainable_mask(part.config))
+    return step.init_state(params, part.tx, params_lib.trainable_mask(part.config))
   state = {"policy": train_state(run.policy, run.initial["policy"]),
            "value": train_state(run.value, run.initial["value"]),
            "rng": jax.random.key_data(jax.random.fold_in(jax.random.key(c.seed), 1)),
