@@ -4,6 +4,8 @@ Data flows config -> batch -> step -> checkpoint:
   main.py         the CLI (--mode=train|eval|export|summary); config_lib.py loads and validates configs
   train.py        the trainer: setup, init or restore, the loop with its log / eval / checkpoint schedules
   step.py         the train state and the one jitted, mesh-sharded train / eval step for every objective
+  params.py       the run's params policy: what its params are and what trains (freezing, adapters, layer decay)
+  peft/           adapter methods behind params.py (LoRA / QLoRA, IA³) and the PEFT format
   objectives/     one file per objective (mlm, clm, span_corruption): rows, transform, loss, counts, checks
   data/           sources (TFDS, files), tokenizers, row layouts, and the host-count-independent pipeline
   models/         architecture only: shared layers + bert.py, gpt.py, t5.py (linen, applied functionally)
