@@ -164,7 +164,7 @@ def _frozen_looped(config, patterns) -> dict:
 
 def _layer_stacks(config) -> set:
   """The paths above each layer stack ('layers_<i>' keys) among the parameters that train: {()} for one stack at
-  the top (BERT, GPT), two for an encoder and a decoder (T5)."""
+  the top (BERT, GPT), {('encoder',), ('decoder',)} for an encoder and a decoder (T5)."""
   frozen = _frozen_looped(config, _patterns(config))
   stacks = set()
   for path, is_frozen in frozen.items():
@@ -186,10 +186,11 @@ def check(config):
   decay = layer_decay(config)
   if not 0 < decay <= 1:
     raise ValueError(f"config.finetune.layer_decay must be in (0, 1] (1 = off), got {decay}")
-  if decay != 1 and _layer_stacks(config) != {()}:
-    raise ValueError(f"config.finetune.layer_decay needs a model with one layer stack at the top of its params "
-                     f"(lm_jax.optim.layer_lr_scales); this {config.model.family} model has "
-                     f"{len(_layer_stacks(config))}")
+  nested = sorted("/".join(p) for p in _layer_stacks(config) if p)
+  if decay != 1 and nested:
+    raise ValueError(f"config.finetune.layer_decay needs the trained layers in one stack at the top of the params "
+                     f"(lm_jax.optim.layer_lr_scales); this {config.model.family} model has layers under "
+                     f"{', '.join(nested)}")
   for rx in patterns:
     try:
       re.compile(rx)

@@ -3,6 +3,10 @@
 import ast
 import pathlib
 
+import pytest
+
+from lm_jax import config_lib, params
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 METHODS = {"lora", "ia3", "qlora"}
 
@@ -40,3 +44,13 @@ def test_the_check_catches_what_it_is_meant_to():
   assert offences("from lm_jax.peft import lora") and offences("import lm_jax.peft.lora")
   assert offences("x = config.lora.init_from") and offences("with lora.unmerged(config): pass")
   assert not offences("from lm_jax import params\nparams.running(config, train=True)")
+
+
+def test_layer_decay_needs_one_top_level_layer_stack_not_a_family():
+  """The check asks the params' structure: T5's encoder and decoder stacks are refused, BERT and GPT (with DPO's
+  frozen reference copy, which does not train) pass."""
+  decay = {"finetune.layer_decay": 0.8}
+  for recipe in ("configs/finetune/bert.py:tiny", "configs/rlhf/dpo.py:tiny"):
+    params.check(config_lib.load(recipe, decay))
+  with pytest.raises(ValueError, match="has layers under decoder, encoder"):
+    params.check(config_lib.load("configs/finetune/t5.py:tiny", decay))

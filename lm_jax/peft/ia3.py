@@ -24,7 +24,6 @@ from lm_jax.models import layers
 from lm_jax.peft import peft_format, targets
 
 NAME = KEY = "ia3"       # the config group, and the vectors' top-level key in the params tree
-_QKV = ("query", "key", "value")
 
 
 def enabled(config) -> bool:
@@ -65,8 +64,9 @@ def _vectors(config) -> dict:
     shape, spec = shapes[group[0]].shape, tuple(specs[group[0]])
     n = targets.n_in(spec)
     lead, lead_spec = ((len(group),), ("layers",)) if "layers" in run_path else ((), ())
-    dims, dims_spec = (shape[:n], spec[:n]) if _feedforward(config, group[0]) else (shape[n:], spec[n:])
-    out[run_path] = ("l_in" if _feedforward(config, group[0]) else "l_out", lead + dims, P(*lead_spec, *dims_spec))
+    ff = _feedforward(config, group[0])
+    dims, dims_spec = (shape[:n], spec[:n]) if ff else (shape[n:], spec[n:])
+    out[run_path] = ("l_in" if ff else "l_out", lead + dims, P(*lead_spec, *dims_spec))
   return out
 
 
@@ -99,6 +99,7 @@ def quantize(config, base: dict) -> dict:
 
 
 def dequantize(config, base: dict, dtype) -> dict:
+  """IA³ keeps the base as it is."""
   return base
 
 
@@ -142,22 +143,15 @@ def hook(config, *, train: bool):
 
 
 # ----------------------------------------------------------------------------------------------------- the format
-def _fused(name: str):
-  """(c_attn module, part index) of a GPT pseudo name 'transformer.h.<i>.attn.<query|key|value>.weight', else None."""
-  m = re.fullmatch(r"(.*\.attn)\.(query|key|value)\.weight", name)
-  return (m.group(1) + ".c_attn", _QKV.index(m.group(2))) if m else None
-
-
 def _looped_vectors(config, params: dict) -> dict:
   """{looped kernel path: (name, float32 vector flat in the kernel's dims' row-major order)}."""
-  flat = {}
+  flat, groups = {}, targets.groups(config, config.ia3)
   for run_path, (name, _, _) in _vectors(config).items():
     node = params[KEY]
     for k in run_path[:-1]:
       node = node[k]
     value = np.asarray(node[name], np.float32)
-    looped = targets.groups(config, config.ia3)[run_path]
-    for i, path in enumerate(looped):
+    for i, path in enumerate(groups[run_path]):
       flat[path] = (name, (value[i] if "layers" in run_path else value).reshape(-1))
   return flat
 
@@ -165,22 +159,22 @@ def _looped_vectors(config, params: dict) -> dict:
 def save(config, params: dict, directory: str):
   """The vectors and modules_to_save of the run's host params, in the PEFT format."""
   names = peft_format.table(config.model)
-  tensors, modules, feedforward, fused = {}, set(), set(), {}
+  tensors, modules, feedforward, qkv = {}, set(), set(), {}
   for looped, (name, l) in _looped_vectors(config, params).items():
     hf_name = names[looped][0]
-    if _fused(hf_name):
-      module, part = _fused(hf_name)
+    if peft_format.fused(hf_name):
+      module, part = peft_format.fused(hf_name)
       if name == "l_in":
         raise ValueError(f"config.ia3.feedforward matches {looped}: the input of OpenAIGPT's fused {module} is shared "
                          "by query, key and value, so PEFT cannot hold its vector; scale their outputs instead")
-      fused.setdefault(module, {})[part] = l
+      qkv.setdefault(module, {})[part] = l
       continue
     module = hf_name.removesuffix(".weight")
     modules.add(module)
     if name == "l_in":
       feedforward.add(module)
     tensors[f"{peft_format.PREFIX}{module}.ia3_l"] = l[None, :] if name == "l_in" else l[:, None]
-  for module, parts in fused.items():
+  for module, parts in qkv.items():
     width = len(next(iter(parts.values())))
     modules.add(module)
     tensors[f"{peft_format.PREFIX}{module}.ia3_l"] = np.concatenate(
@@ -202,13 +196,13 @@ def load(config, directory: str) -> dict:
   file = f"{directory}/{peft_format.WEIGHTS_FILE}"
   tensors, names = peft_format.read_tensors(directory, config.model), peft_format.table(config.model)
   shapes, specs = targets.looped_params(config)
-  vectors, used = {}, set()
+  vectors, used, fused_parts = {}, set(), {}
   for looped in targets.kernels(config, config.ia3):
     kernel, n = shapes[looped].shape, targets.n_in(specs[looped])
     name = "l_in" if _feedforward(config, looped) else "l_out"
     dims = kernel[:n] if name == "l_in" else kernel[n:]
     hf_name = names[looped][0]
-    module, part = _fused(hf_name) or (hf_name.removesuffix(".weight"), None)
+    module, part = peft_format.fused(hf_name) or (hf_name.removesuffix(".weight"), None)
     key = f"{module}.ia3_l"
     if key not in tensors:
       raise ValueError(f"{file}: no {peft_format.PREFIX}{key} (config.ia3.targets matches {looped})")
@@ -220,8 +214,14 @@ def load(config, directory: str) -> dict:
                        f"{want} ({'input' if name == 'l_in' else 'output'} scaling)")
     l = t.reshape(-1)
     if part is not None:
+      fused_parts.setdefault(key, set()).add(part)
       l = l[part * len(l) // 3:(part + 1) * len(l) // 3]
     targets.put(vectors, tuple(looped.split("/")[:-1]), {name: l.reshape(dims)})
+  for key, parts in fused_parts.items():   # a part the run does not target must be PEFT's identity
+    rest = np.delete(tensors[key].reshape(3, -1), sorted(parts), axis=0)
+    if not np.all(rest == 1):
+      raise ValueError(f"{file}: {peft_format.PREFIX}{key} scales a part of query/key/value that config.ia3.targets "
+                       "does not target")
   unused = sorted(k for k in tensors if k.endswith(".ia3_l") and k not in used)
   if unused:
     raise ValueError(f"{file}: {peft_format.PREFIX}{unused[0]} is not in config.ia3.targets="

@@ -43,7 +43,7 @@ def fan_in_fan_out(model_cfg) -> bool:
   return model_cfg.family == "gpt"
 
 
-def _fused(name: str):
+def fused(name: str):
   """(c_attn module, part index) of a GPT pseudo name 'transformer.h.<i>.attn.<query|key|value>.weight', else None."""
   m = re.fullmatch(r"(.*\.attn)\.(query|key|value)\.weight", name)
   return (m.group(1) + ".c_attn", _QKV.index(m.group(2))) if m else None
@@ -99,21 +99,21 @@ def save_lora(config, params: dict, out_dir: str, s: float) -> None:
   m, c = config.model, config.lora
   names = table(m)
   adapters = {"/".join(k) + "/kernel": v for k, v in _flat(to_looped(params["lora"])).items()}
-  tensors, modules, fused = {}, set(), {}
+  tensors, modules, qkv = {}, set(), {}
   for path, node in adapters.items():
     name, _ = names[path]
     a = np.asarray(node["a"], np.float32).reshape(-1, c.rank)
     b = np.asarray(node["b"], np.float32).reshape(c.rank, -1)
-    if _fused(name):
-      module, part = _fused(name)
-      fused.setdefault(module, {})[part] = (a, b)
+    if fused(name):
+      module, part = fused(name)
+      qkv.setdefault(module, {})[part] = (a, b)
       continue
     module = name.removesuffix(".weight")
     modules.add(module)
     tensors[f"{PREFIX}{module}.lora_A.weight"] = a.T
     tensors[f"{PREFIX}{module}.lora_B.weight"] = b.T
   rank_pattern, alpha_pattern = {}, {}
-  for module, parts in fused.items():
+  for module, parts in qkv.items():
     order = sorted(parts)
     width = parts[order[0]][1].shape[1]
     k = len(order)
@@ -257,7 +257,7 @@ def load_lora(config, path: str, s: float) -> dict:
   by_module = {}
   for looped, (name, _) in names.items():
     if looped.endswith("/kernel"):
-      module, part = _fused(name) or (name.removesuffix(".weight"), None)
+      module, part = fused(name) or (name.removesuffix(".weight"), None)
       by_module.setdefault(module, []).append((looped, part))
   wanted = set(targets.kernels(config, config.lora))
   adapters, used = {}, set()
