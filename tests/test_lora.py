@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO
 from lm_jax import decoding, defaults, hf, models, params as params_lib, train
 from lm_jax.hf import export
-from lm_jax.peft import lora, peft_format
+from lm_jax.peft import lora
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
