@@ -50,7 +50,7 @@ def check(config):
   if m.family in ("bert", "gpt"):   # learned absolute positions
     _require(d.seq_len <= m.max_positions,
              f"config.data.seq_len={d.seq_len} exceeds config.model.max_positions={m.max_positions}")
-  _require(config.get("loss_z", 0.0) >= 0, f"config.loss_z must be >= 0, got {config.get('loss_z')}")
+  _require(config.get("z_loss", 0.0) >= 0, f"config.z_loss must be >= 0, got {config.get('z_loss')}")
   ls = config.get("label_smoothing", 0.0)
   _require(0 <= ls < 1, f"config.label_smoothing must be in [0, 1), got {ls}")
   objective.check(config)
