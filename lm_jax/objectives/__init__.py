@@ -18,7 +18,7 @@ specific to it, so no other module branches on its name:
                    adds metrics over the whole eval set's predictions (F1, Matthews, Pearson / Spearman;
                    lm_jax.evaluate.prediction_metrics) and --mode=predict writes them
   added_tokens     (optional) special tokens it appends to the pre-trained vocabulary as new embedding rows
-                   (finetune.resolve): ids vocab_size - added_tokens .. vocab_size - 1, unknown to the tokenizer
+                   (init_from.resolve): ids vocab_size - added_tokens .. vocab_size - 1, unknown to the tokenizer
   loop             (optional) (config, workdir, *, devices) -> result: a training loop of its own that
                    train.train runs instead of the step loop (PPO: rollouts, scoring, updates)
 
