@@ -3,6 +3,8 @@
 Data flows config -> batch -> step -> checkpoint:
   main.py         the CLI (--mode=train|eval|export|summary); config_lib.py loads and validates configs
   train.py        the trainer: setup, init or restore, the loop with its log / eval / checkpoint schedules
+  init_from.py    where a run starts (a Hugging Face directory or another run) and where eval / export take params
+  predict.py      the eval step over the eval batches (the trainer's evaluator), and --mode=predict's TSV
   step.py         the train state and the one jitted, mesh-sharded train / eval step for every objective
   params.py       the run's params policy: what its params are and what trains (freezing, adapters, layer decay)
   peft/           adapter methods behind params.py (LoRA / QLoRA, IA³) and the PEFT format
@@ -10,7 +12,7 @@ Data flows config -> batch -> step -> checkpoint:
   data/           sources (TFDS, files), tokenizers, row layouts, and the host-count-independent pipeline
   models/         architecture only: shared layers + bert.py, gpt.py, t5.py (linen, applied functionally)
   hf/             Hugging Face conversion per family and export / import of checkpoint directories
-  sharding.py     the mesh and logical-axis rules; checkpoint.py orbax save / restore / resume
+  sharding.py     the mesh and logical-axis rules; checkpoint.py orbax save / restore / resume, best checkpoint
   optim.py        the papers' optimizers and schedules; evaluate.py held-out metrics; metrics_log.py logs
   flops.py, hardware.py, memory.py, summary.py   FLOP counts, peak FLOP/s, memory estimates, param tables
   distributed.py  multi-host initialisation (local processes, SLURM, TPU VMs); malloc.py host allocator setup

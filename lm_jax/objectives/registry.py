@@ -30,7 +30,7 @@ class Objective:
   predict: Callable | None = None  # (config, params, batch) -> per-example {prediction, label, weight, index}
   predict_texts: Callable | None = None  # (config, params, tokenizer, split) -> {index, prediction (texts), target,
                                          # exact_match} when predictions are decoded texts, else None
-  added_tokens: int = 0  # special tokens appended to the pre-trained vocabulary (finetune.resolve)
+  added_tokens: int = 0  # special tokens appended to the pre-trained vocabulary (init_from.resolve)
   loop: Callable | None = None     # (config, workdir, *, devices) -> result: a trainer of its own (PPO)
 
   def tokens_per_example(self, config) -> int:
