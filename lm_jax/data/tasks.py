@@ -1,15 +1,15 @@
 """Labelled task examples (GLUE-style): one text or a pair, and a label, per record; one model row each.
 
-config.task picks the source: `files`, a glob of .tsv / .jsonl in which `{split}` becomes the split name (e.g.
-/data/sst2/{split}.tsv with splits train / dev / test), or `tfds_name` (e.g. glue/sst2, through the same
-array_record data source as data.tfds_name). `text_fields` names one field, or two for sentence pairs;
+config.task picks the source (read by data/records.py): `files`, a glob of .tsv / .jsonl in which `{split}` becomes
+the split name (e.g. /data/sst2/{split}.tsv with splits train / dev / test), or `tfds_name` (e.g. glue/sst2, through
+the same array_record data source as data.tfds_name). `text_fields` names one field, or two for sentence pairs;
 `label_field` the label. In a .tsv a header row naming the fields picks the columns; without a header the fields
 are column numbers (text_fields=("0",), label_field="1"); a file whose header has no label column is read
 unlabelled (a warning says so). Labels are class numbers 0..num_labels-1, or with `label_names` also those names as
 written in the data (e.g. entailment / neutral / contradiction); with model.num_labels = 1 they are regression targets
-(STS-B); with model.num_labels = 0 they are text, kept as written (the free-form targets of T5's text-to-text tasks). Multiple choice: `choice_fields` names the K answers,
-text_fields the one context; the label is the index of the right answer (Example.segments: context, answers).
-Splits take TFDS slice syntax (train[:10%]).
+(STS-B); with model.num_labels = 0 they are text, kept as written (the free-form targets of T5's text-to-text tasks).
+Multiple choice: `choice_fields` names the K answers, text_fields the one context; the label is the index of the right
+answer (Example.segments: context, answers). Splits take TFDS slice syntax (train[:10%]).
 
 A record that cannot be used (empty text, a malformed line, an unknown label) is counted and skipped, like a bad
 document, and reported with its file and line (data/records.py). A record without a label (a GLUE test split; TFDS
