@@ -8,7 +8,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from lm_jax import config_lib, objectives
-from lm_jax.data import nsp, packing, pipeline, records, sources, tokenizer
+from lm_jax.data import nsp, packing, pipeline, records, sources, tfds_prepare, tokenizer
 
 CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
 
@@ -117,7 +117,7 @@ def test_split_placeholder_and_slices(tmp_path):
 def test_tfds_tiny_shakespeare_offline_through_the_trainer_path(shared_data, tmp_path, text, toks):
   """Build the catalog tiny_shakespeare (array_record, no TensorFlow) from the local input.txt, then read it
   with the same calls the trainer makes."""
-  records.prepare_tfds("tiny_shakespeare", str(tmp_path), manual_dir=str(shared_data / "tiny_shakespeare"))
+  tfds_prepare.prepare_tfds("tiny_shakespeare", str(tmp_path), manual_dir=str(shared_data / "tiny_shakespeare"))
   c = config_lib.load("configs/gpt1.py:tiny")
   c.data.tfds_data_dir = str(tmp_path)
   c.data.seq_len, c.batch_size, c.model.vocab_size = 64, 8, 320
@@ -165,10 +165,10 @@ def test_tfds_random_access_records_built_on_first_use(tmp_path, toks, monkeypat
     sources.documents(c, "validation")
 
 
-@pytest.mark.skipif(records._have_tensorflow(), reason="TensorFlow is installed")
+@pytest.mark.skipif(tfds_prepare.have_tensorflow(), reason="TensorFlow is installed")
 def test_tfrecord_without_tensorflow_says_so():
   with pytest.raises(ImportError, match="prepared as tfrecord, which needs TensorFlow"):
-    records._tfdata_records(types.SimpleNamespace(data_dir="/data/x"), "train", "x")
+    tfds_prepare.tfdata_records(types.SimpleNamespace(data_dir="/data/x"), "train", "x")
 
 
 # ---------------------------------------------------------------------------------------------- batches

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lm_jax import config_lib, defaults, evaluate, finetune, metrics_log, models, objectives, optim, train
-from lm_jax.data import pipeline, records, tasks, tokenizer as tokenizer_lib
+from lm_jax.data import pipeline, records, tasks, tfds_prepare, tokenizer as tokenizer_lib
 from lm_jax.hf import export
 from lm_jax.objectives import classify
 from conftest import load_config
@@ -99,7 +99,7 @@ def test_task_records_from_tfds(monkeypatch):
   info = types.SimpleNamespace(splits=dict.fromkeys(data), features={"sentence1": 0, "sentence2": 0, "label": 0},
                                available_file_formats=lambda: [types.SimpleNamespace(value="array_record")])
   builder = types.SimpleNamespace(data_dir="/tfds", info=info, as_data_source=lambda split: data[split])
-  monkeypatch.setattr(records, "prepare_tfds", lambda name, data_dir: builder)
+  monkeypatch.setattr(tfds_prepare, "prepare_tfds", lambda name, data_dir: builder)
   c = task_config(tfds_name="glue/mnli", text_fields=("sentence1", "sentence2"), num_labels=3)
   assert tasks.records(c, "train")[0] == tasks.Record(("a", "bé"), 2)
   assert tasks.records(c, "test")[0] == tasks.Record(("a", "b"), None)

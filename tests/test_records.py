@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from lm_jax import config_lib, defaults, objectives
-from lm_jax.data import corpus, instructions, pipeline, records, sources, tasks, tokenizer as tokenizer_lib
+from lm_jax.data import corpus, instructions, pipeline, records, sources, tasks, tfds_prepare
+from lm_jax.data import tokenizer as tokenizer_lib
 
 
 def _read(path, split="train", fields="text", **kw):
@@ -82,14 +83,14 @@ def _builder(data, formats=("array_record",), num_examples=5000):
 
 def test_tfds_lazy_records_and_small_splits_cut_into_documents(monkeypatch):
   data = {"train": [{"text": b"a", "label": 1}, {"text": 3, "label": 0}, {"text": b"\xff\xfe", "label": 1}]}
-  monkeypatch.setattr(records, "prepare_tfds", lambda name, data_dir: _builder(data))
+  monkeypatch.setattr(tfds_prepare, "prepare_tfds", lambda name, data_dir: _builder(data))
   read = lambda fields, **kw: records.read("train", fields, tfds_name="toy", origin="o", named_by="n", **kw)
   found = read(("text",), optional=("label",))
   assert isinstance(found, records.TfdsRecords)
   assert found[:2] == [{"text": "a", "label": 1}, records.Bad("malformed")] and found[2].reason == "undecodable"
   assert found.where(1) == "TFDS toy in /tfds (train) record 1" and found[1].detail == "field 'text' is int, not text"
   data["train"] = [{"text": b"first doc\n\nsecond\ndoc"}, {"text": b"third"}]
-  monkeypatch.setattr(records, "prepare_tfds", lambda name, data_dir: _builder(data, num_examples=2))
+  monkeypatch.setattr(tfds_prepare, "prepare_tfds", lambda name, data_dir: _builder(data, num_examples=2))
   small = read("text", documents=True)                          # few records: read whole, cut at blank lines
   assert isinstance(small, records.Listed) and small[:] == ["first doc", "second\ndoc", "third"]
   assert small.where(1) == "TFDS toy in /tfds (train) record 0:3"

@@ -10,12 +10,11 @@ that a bad record is counted and reported the same way whatever reads it.
     .tsv                 a header row naming the fields picks their columns; fields named by number ('0', '1') are
                          the columns of a file without header; one field alone is the first column unless a header
                          names it
-- TFDS: prepared in the array_record format and read with `as_data_source` (random access, no TensorFlow, decoded
-  lazily). A missing dataset is built on first use; catalog text builders that only use `tf.io.gfile` (e.g.
-  tiny_shakespeare) build without TensorFlow. Datasets prepared as tfrecord are read through tf.data into memory,
-  which needs TensorFlow. With documents=True, splits of fewer than _FEW_RECORDS records (tiny_shakespeare has one
-  record per split) are read whole and cut into documents at blank lines, like .txt files, so they can be shuffled
-  and sharded.
+- TFDS: prepared in the array_record format (on first use: data/tfds_prepare.py) and read with `as_data_source`
+  (random access, no TensorFlow, decoded lazily). Datasets prepared as tfrecord are read through tf.data into
+  memory, which needs TensorFlow. With documents=True, splits of fewer than _FEW_RECORDS records (tiny_shakespeare
+  has one record per split) are read whole and cut into documents at blank lines, like .txt files, so they can be
+  shuffled and sharded.
 TFDS slice syntax selects records of a split: `train[:95%]`, `train[95%:]`, `train[100:200]`.
 
 A record is the text of `fields` when that is one name, else a dict of the fields (the `optional` ones may be
@@ -28,17 +27,15 @@ the counts by reason and where the first few bad records are.
 Invalid UTF-8 inside a record is replaced by U+FFFD byte by byte and the record kept (a warning names the file;
 `.decode_stats` counts them); a file with NUL bytes, or mostly not UTF-8, in its first block is refused as binary.
 """
-import contextlib
 import dataclasses
 import glob
-import importlib.util
 import json
 import os
 import re
-import sys
-import types
 
 from absl import logging
+
+from lm_jax.data import tfds_prepare
 
 _FEW_RECORDS = 1000
 _FIRST = 3                                     # bad records a report names
@@ -391,7 +388,7 @@ def _tfds_record(row: dict, required: tuple, optional: tuple):
 
 
 def _read_tfds(name, data_dir, split, fields, optional, documents, origin, named_by) -> Records:
-  builder = prepare_tfds(name, data_dir)
+  builder = tfds_prepare.prepare_tfds(name, data_dir)
   where = f"TFDS {name} in {builder.data_dir}"
   base, spec = split_spec(split)
   if base not in builder.info.splits:
@@ -409,7 +406,7 @@ def _read_tfds(name, data_dir, split, fields, optional, documents, origin, named
     source = builder.as_data_source(split=base)
     rows = (source[i] for i in range(len(source)))
   else:
-    rows = _tfdata_records(builder, base, name)
+    rows = tfds_prepare.tfdata_records(builder, base, name)
   decoded = []
   for r, row in enumerate(rows):
     place = f"{where} ({base}) record {r}"
@@ -424,65 +421,3 @@ def _read_tfds(name, data_dir, split, fields, optional, documents, origin, named
   _warn_replaced(where, decoded)
   items = [_shape(record, fields) for _, record, _ in decoded]
   return Listed(items, [p for p, _, _ in decoded], [n for _, _, n in decoded], path).sliced(spec)
-
-
-def _tfdata_records(builder, split, name):
-  if not _have_tensorflow():
-    raise ImportError(f"TFDS {name} in {builder.data_dir} is prepared as tfrecord, which needs TensorFlow "
-                      "(pip install tensorflow-cpu); or rebuild it with file_format='array_record'")
-  import tensorflow_datasets as tfds
-  return tfds.as_numpy(builder.as_dataset(split=split, shuffle_files=False))
-
-
-def prepare_tfds(name: str, data_dir: str = "", manual_dir: str = ""):
-  """The TFDS builder of `name`, downloaded and prepared as array_record first if it is not yet.
-
-  Offline, put the files the builder downloads (e.g. tiny_shakespeare's input.txt) in `manual_dir`
-  (default <data_dir>/downloads/manual).
-  """
-  import tensorflow_datasets as tfds
-  try:
-    builder = tfds.builder(name, data_dir=data_dir or None)
-  except tfds.core.registered.DatasetNotFoundError as e:
-    raise ValueError(f"config.data.tfds_name: unknown TFDS dataset {name!r}") from e
-  if builder.is_prepared():
-    return builder
-  config = tfds.download.DownloadConfig(manual_dir=manual_dir or None)
-  try:
-    with _gfile_without_tensorflow(builder):
-      builder.download_and_prepare(file_format="array_record", download_config=config)
-  except (ImportError, AttributeError) as e:
-    if _have_tensorflow():
-      raise
-    raise ImportError(f"building TFDS {name} needs TensorFlow ({e}); pip install tensorflow-cpu, or prepare "
-                      f"it elsewhere with file_format='array_record' into {builder.data_dir}") from e
-  return tfds.builder(name, data_dir=data_dir or None)
-
-
-def _have_tensorflow() -> bool:
-  return importlib.util.find_spec("tensorflow") is not None
-
-
-@contextlib.contextmanager
-def _gfile_without_tensorflow(builder):
-  """Serve `tf.io.gfile` with etils.epath while the builder's module builds, when TF is not installed.
-
-  Catalog text builders such as tiny_shakespeare read their download with tf.io.gfile and use nothing
-  else of TensorFlow; this lets them build on a TF-free install. Anything else of tf raises AttributeError.
-  """
-  module = sys.modules[type(builder).__module__]
-  if _have_tensorflow() or not hasattr(module, "tf"):
-    yield
-    return
-  from etils import epath
-  gfile = types.SimpleNamespace(
-      GFile=lambda path, mode="r": epath.Path(path).open(mode),
-      exists=lambda path: epath.Path(path).exists(),
-      isdir=lambda path: epath.Path(path).is_dir(),
-      listdir=lambda path: [p.name for p in epath.Path(path).iterdir()])
-  saved = module.tf
-  module.tf = types.SimpleNamespace(io=types.SimpleNamespace(gfile=gfile))
-  try:
-    yield
-  finally:
-    module.tf = saved
