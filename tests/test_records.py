@@ -28,6 +28,8 @@ def test_text_documents_and_lines_with_their_line_numbers(tmp_path):
   items, where = _all(_read(tmp_path / "a.txt", fields=("prompt",)))      # documents=False: a record per line
   assert items == [{"prompt": "one"}, {"prompt": "two"}, {"prompt": "three"}, {"prompt": "four"}]
   assert [w.rsplit(":", 1)[1] for w in where] == ["1", "2", "6", "10"]
+  with pytest.raises(ValueError, match="a.txt: a text file holds one text per record, not the fields s, label; use"):
+    _read(tmp_path / "a.txt", fields=("s",), optional=("label",))              # a task's label would be missing
 
 
 def test_jsonl_fields_optional_and_bad_lines(tmp_path):

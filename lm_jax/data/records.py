@@ -5,7 +5,7 @@ that a bad record is counted and reported the same way whatever reads it.
 - files: a glob in which `{split}` becomes the split name (e.g. wiki.{split}.raw with splits train / valid; without
   it every split reads all files).
     .txt / .raw / .text  documents separated by a blank (or whitespace-only) line, or with documents=False one
-                         record per non-empty line; the text is the (first) field
+                         record per non-empty line; the text is the one field read
     .jsonl               one JSON object per line
     .tsv                 a header row naming the fields picks their columns; fields named by number ('0', '1') are
                          the columns of a file without header; one field alone is the first column unless a header
@@ -181,12 +181,11 @@ def read(split: str, fields, *, files: str = "", tfds_name: str = "", tfds_data_
   """The records of `split` from the glob `files` or the TFDS dataset `tfds_name`. fields: one name (records are its
   text) or several (records are dicts, with the `optional` fields where present). origin names the config field of
   the source, named_by that of the fields, in errors."""
-  required = _names(fields)
   if files:
     return _read_files(files, split, fields, tuple(optional), documents, origin, named_by)
   if tfds_name:
     return _read_tfds(tfds_name, tfds_data_dir, split, fields, tuple(optional), documents, origin, named_by)
-  raise ValueError(f"{origin}: no files or TFDS dataset to read {required} from")
+  raise ValueError(f"{origin}: no files or TFDS dataset to read {_names(fields)} from")
 
 
 def split_spec(split: str):
@@ -272,6 +271,9 @@ def _read_file(path, required, optional, documents, origin, named_by) -> list:
     data = f.read()
   _check_text(path, data[:_SNIFF_BYTES], origin)
   if path.endswith(_TEXT_SUFFIXES):
+    if len(required + optional) > 1:     # e.g. a label would be missing from every record
+      raise ValueError(f"{origin}: {path}: a text file holds one text per record, not the fields "
+                       f"{', '.join(required + optional)}; use .jsonl or .tsv")
     out = [(line, *_text_record(raw, required[0])) for line, raw in (_documents(data) if documents else _lines(data))]
   elif path.endswith(".jsonl"):
     out = [(line, *_json_record(raw, required, optional)) for line, raw in _lines(data)]
