@@ -159,7 +159,7 @@ def test_a_bad_prompt_is_counted_and_named_and_no_usable_prompt_is_an_error(tmp_
   assert f"data: {path} (train): 2 malformed of 3 records; first: {path}:2: field 'prompt' is int, not text; " \
          f"{path}:3: no field 'prompt'" in caplog.messages
   path.write_text('{"prompt": 5}\n')
-  with pytest.raises(ValueError, match=f"^config.ppo.prompts='{path}': no usable prompt in .*; .*{path}:1: field"):
+  with pytest.raises(ValueError, match=f"^config.ppo.prompts='{path}': no usable prompt; {path} .*{path}:1: field"):
     instructions.prompts(c, _Tokenizer())
 
 

@@ -107,7 +107,7 @@ def prompts(config, tokenizer) -> list[list[int]]:
     if ids:
       out.append(ids[-p.prompt_len:])
   if not out:
-    raise ValueError(f"config.ppo.prompts={p.prompts!r}: no usable prompt in {found.path}; {tally.report()}")
+    raise ValueError(f"config.ppo.prompts={p.prompts!r}: no usable prompt; {tally.report()}")
   if tally.report():
     logging.warning("data: %s", tally.report())
   return out
