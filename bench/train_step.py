@@ -7,7 +7,7 @@ same model, shapes, dtype and batch, and against the XLA matmul rate of this mac
 
 Ours is the real step: lm_jax.step.make_train_step with the config's objective and optimizer, built with
 lm_jax.train's own setup functions, on a synthetic batch of the objective's features. FLOPs are the
-trainer's (lm_jax.flops.train_flops_per_sequence, so MFU here is the training log's MFU), cross-checked
+trainer's (Objective.flops_per_example, so MFU here is the training log's MFU), cross-checked
 against XLA's cost_analysis of the compiled step. The peer trains transformers' BertForPreTraining /
 OpenAIGPTLMHeadModel / T5ForConditionalGeneration built from our config (lm_jax.hf.*.hf_config), with
 torch.optim.AdamW and the same gradient clipping. T5's Adafactor is replaced by AdamW on both sides so both
