@@ -65,8 +65,8 @@ def test_wrong_type_names_the_field_and_its_type(overrides, message):
 
 
 def test_missing_file_and_unknown_variant_are_config_errors():
-  with pytest.raises(config_lib.ConfigError, match="config file 'configs/gpt2.py' not found"):
-    config_lib.load("configs/gpt2.py:tiny")
+  with pytest.raises(config_lib.ConfigError, match="config file 'configs/gpt3.py' not found"):
+    config_lib.load("configs/gpt3.py:tiny")
   with pytest.raises(config_lib.ConfigError, match="unknown variant 'huge'"):
     config_lib.load("configs/t5.py:huge")
 
