@@ -307,7 +307,7 @@ def score(model_cfg, params, contexts, continuations, *, batch_size: int = 8) ->
     seqs = [c + x for c, x in zip(contexts, continuations)]
     for i, s in enumerate(seqs):
       if len(s) - 1 > cfg.max_positions:
-        raise ValueError(f"score: context + continuation {i} has {len(s)} tokens; a decoder reads at most "
+        raise ValueError(f"score: context + continuation {i} has {len(s)} tokens; GPT reads at most "
                          f"model.max_positions + 1 = {cfg.max_positions + 1} (truncate the context on the left)")
     order = np.argsort([-len(s) for s in seqs], kind="stable")
   else:
