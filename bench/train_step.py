@@ -49,7 +49,8 @@ def load_config(shape, args):
   file, variant, seq_len, _ = SHAPES[shape]
   config = config_lib.load(os.path.join(REPO, "configs", f"{file}.py:{QUICK[file] if args.quick else variant}"))
   config.data.seq_len = seq_len // 4 if args.quick else seq_len
-  if models.family(config.model).layout == "encoder":  # BERT's create_pretraining_data: round(0.15 * seq_len), 20 at 128
+  # BERT's create_pretraining_data: round(0.15 * seq_len), 20 at 128
+  if models.family(config.model).layout == "encoder":
     config.data.max_predictions_per_seq = max(1, round(0.15 * config.data.seq_len))
   if config.optimizer.name == "adafactor":  # the peer's AdamW, so both sides do the same optimizer work
     config.optimizer.name, config.optimizer.weight_decay, config.optimizer.clip_norm = "adamw", 0.01, 1.0

@@ -235,8 +235,8 @@ def generate(model_cfg, params, prompts_ids, *, max_new_tokens: int, method: str
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_beams: int = 4,
              length_penalty: float = 1.0, early_stopping: bool | str = True, eos_id: int | None = None,
              pad_id: int = 0, seed: int = 0) -> list[list[int]]:
-  """Continuations of token-id prompts (a decoder's: the text so far; an encoder-decoder's: the encoder input) -> per prompt its new
-  tokens, up to and including eos_id (None: always max_new_tokens tokens).
+  """Continuations of token-id prompts (a decoder's: the text so far; an encoder-decoder's: the encoder input) -> per
+  prompt its new tokens, up to and including eos_id (None: always max_new_tokens tokens).
 
   method: 'greedy', 'sample' (temperature, top_k (0 = off), top_p (1.0 = off), seed: the same seed gives the
   same tokens) or 'beam' (num_beams, length_penalty, early_stopping True / False / 'never' as in

@@ -21,9 +21,9 @@ activations: analytic, what the backward pass keeps per layer (Korthikanti et al
   remat 'minimal' keeps only the weight matmuls' outputs (3A + 2D + F or 2F for gated, + cross A + D, +
   2A per encoder token) plus the layer input D; 'full' keeps the layer input D; both add one layer's
   full set, recomputed during its backward. Outside the layers: embeddings and final norm (3D per
-  token), the loss head (float32 logits + log-probabilities, 8 V/t bytes per scored token;
-  a head transform, BERT's (Family.head_transform), 4D per prediction). Rows per device = batch_size / microbatches / (mesh size of
-  'batch'). Not counted: XLA temporaries (gradients of the logits, fusion buffers), all-gathered FSDP
+  token), the loss head (float32 logits + log-probabilities, 8 V/t bytes per scored token; a head
+  transform, BERT's (Family.head_transform), 4D per prediction). Rows per device = batch_size / microbatches /
+  (mesh size of 'batch'). Not counted: XLA temporaries (gradients of the logits, fusion buffers), all-gathered FSDP
   weights in flight, the optimizer update's temporaries: measured peaks run higher (see README).
 """
 import dataclasses

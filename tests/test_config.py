@@ -10,7 +10,8 @@ import pytest
 from lm_jax import config_lib, models, objectives
 from conftest import REPO, flags
 
-VARIANTS = {"bert": ["base", "large", "base_512", "large_512", "tiny", "tiny_512"], "gpt1": ["gpt1", "tiny"], "gpt2": ["small", "medium", "tiny"],
+VARIANTS = {"bert": ["base", "large", "base_512", "large_512", "tiny", "tiny_512"], "gpt1": ["gpt1", "tiny"],
+            "gpt2": ["small", "medium", "tiny"],
             "t5": ["small", "base", "large", "v1_1_small", "v1_1_base", "v1_1_large", "v1_1_xl", "v1_1_xxl", "tiny"]}
 
 

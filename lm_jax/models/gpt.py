@@ -68,7 +68,8 @@ def causal_inputs(batch: dict, cache: dict | None):
   new = jnp.ones_like(ids, dtype=bool) if key_mask is None else key_mask.astype(bool)
   key_mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
   q_index = index + jnp.arange(length)[None]
-  mask = layers.make_attention_mask(key_mask, causal=True, q_index=q_index, kv_index=jnp.arange(key_mask.shape[1])[None])
+  mask = layers.make_attention_mask(key_mask, causal=True, q_index=q_index,
+                                    kv_index=jnp.arange(key_mask.shape[1])[None])
   return batch.get("positions", q_index), mask, {"k": cache["k"], "v": cache["v"]}, index, key_mask
 
 

@@ -48,7 +48,8 @@ def check(config):
   family = models.family(m)
   fitting = [f for f in models.names() if models.family(f).layout in objective.layouts]   # for the message
   needed = " or ".join(f"config.model.family={f!r}" for f in fitting)
-  _require(family.layout in objective.layouts, f"config.objective={config.objective!r} needs {needed}, got {m.family!r}")
+  _require(family.layout in objective.layouts,
+           f"config.objective={config.objective!r} needs {needed}, got {m.family!r}")
   _require(m.vocab_size > 0, f"config.model.vocab_size must be > 0, got {m.vocab_size}")
   _require(d.seq_len >= 1, f"config.data.seq_len must be >= 1, got {d.seq_len}")
   if family.learned_positions:

@@ -1,13 +1,13 @@
 """Supervised fine-tuning on (prompt, response) pairs (InstructGPT's first step, Ouyang et al. 2022 §3.5): the
 token loss on the response only, for decoder (GPT) and encoder-decoder (T5) models.
 
-Data: lm_jax/data/instructions.py ('instruction' records of config.rlhf.files). A decoder: each example is prompt + response +
-eos read as next-token prediction; only targets inside the response (and its eos) have weight 1, the prompt's have
-0. Examples are packed into rows in order (a new row when the next one does not fit) with segment ids and
-positions restarting per example, so no token attends across examples. An encoder-decoder: the prompt is the encoder input, the
-response (+ eos) the decoder target (data.target_len tokens; 0 = seq_len), one example per row. The loss is the
-weighted token cross-entropy divided by the number of response tokens in the global batch, exactly as the causal
-LM (clm) and span corruption losses with these weights. Metrics: loss, accuracy (per response token),
+Data: lm_jax/data/instructions.py ('instruction' records of config.rlhf.files). A decoder: each example is prompt +
+response + eos read as next-token prediction; only targets inside the response (and its eos) have weight 1, the
+prompt's have 0. Examples are packed into rows in order (a new row when the next one does not fit) with segment ids
+and positions restarting per example, so no token attends across examples. An encoder-decoder: the prompt is the
+encoder input, the response (+ eos) the decoder target (data.target_len tokens; 0 = seq_len), one example per row.
+The loss is the weighted token cross-entropy divided by the number of response tokens in the global batch, exactly
+as the causal LM (clm) and span corruption losses with these weights. Metrics: loss, accuracy (per response token),
 token_loss.
 """
 import numpy as np
@@ -64,8 +64,8 @@ def pack_causal(examples, width: int, pad_id: int) -> dict:
 
 
 def encoder_decoder(examples, seq_len: int, target_length: int, pad_id: int, start_id: int) -> dict:
-  """Encoder-decoder rows (span corruption's features), one example each: the prompt's last seq_len tokens in, the response's
-  first target_length tokens out."""
+  """Encoder-decoder rows (span corruption's features), one example each: the prompt's last seq_len tokens in, the
+  response's first target_length tokens out."""
   n = len(examples)
   ids, dec_targets = np.full((n, seq_len), pad_id, np.int32), np.full((n, target_length), pad_id, np.int32)
   mask, real = np.zeros_like(ids), np.zeros_like(dec_targets)

@@ -133,7 +133,8 @@ def save(config, params: dict, out_dir: str) -> None:
       "r": c.rank, "lora_alpha": c.alpha, "lora_dropout": c.dropout, "use_rslora": bool(c.rslora),
       "target_modules": sorted(modules), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
       "modules_to_save": sorted({n.rsplit(".", 1)[0] for n in trained}) or None,
-      "fan_in_fan_out": hf.family_module(m).FAN_IN_FAN_OUT, "bias": "none", "init_lora_weights": True, "use_dora": False}
+      "fan_in_fan_out": hf.family_module(m).FAN_IN_FAN_OUT, "bias": "none", "init_lora_weights": True,
+      "use_dora": False}
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
     json.dump(adapter_config, f, indent=2, sort_keys=True)
