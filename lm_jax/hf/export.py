@@ -4,10 +4,9 @@ and lm-evaluation-harness take the directory as it is.
 
 save_hf writes the layout of the family's HF class (lm_jax/hf/<family>.py's ARCHITECTURE: BertForPreTraining, which
 BertForMaskedLM also loads, OpenAIGPTLMHeadModel, GPT2LMHeadModel, T5ForConditionalGeneration; scanned layers are
-unstacked, float32). load_hf reads safetensors only, never
-pickles; it also takes encoder-only BertModel checkpoints (missing pooler / MLM / NSP heads are initialised
-randomly with a warning, like transformers does). A missing, unreadable or unfitting file is a one-line error that names
-the file, and the tensor where one is at fault.
+unstacked, float32). load_hf reads safetensors only, never pickles; it also takes encoder-only BertModel checkpoints
+(missing pooler / MLM / NSP heads are initialised randomly with a warning, like transformers does). A missing,
+unreadable or unfitting file is a one-line error that names the file, and the tensor where one is at fault.
 """
 import glob
 import json

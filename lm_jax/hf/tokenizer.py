@@ -40,8 +40,7 @@ def save(tok: tokenizer_lib.Tokenizer, family: str, out_dir: str, model_max_leng
   # Only a family that reads them gets token_type_ids (OpenAIGPTModel would add their word embeddings); a decoder
   # generates from the left.
   fam = model_lib.family(family)
-  inputs = ["input_ids", "token_type_ids", "attention_mask"] if fam.tokens.token_types else ["input_ids",
-                                                                                             "attention_mask"]
+  inputs = ["input_ids", *(["token_type_ids"] if fam.tokens.token_types else []), "attention_mask"]
   config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **specials,
             "model_input_names": inputs, "padding_side": "left" if fam.layout == "decoder" else "right"}
   if model_max_length:
