@@ -9,7 +9,7 @@ import pytest
 from lm_jax import hf, models, objectives
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-NAMES = {"bert", "gpt", "gpt2", "t5"}
+NAMES = set(models.names())   # every registered family's name (a new one is checked too)
 # Sites other helpers own, left for the lead to fix after merging; this list must end up empty.
 TODO = {
     "lm_jax/finetune.py",   # layer_decay's family check (moves to params.py)
@@ -72,13 +72,13 @@ def test_no_module_outside_models_and_hf_compares_family_names():
 
 
 def test_every_family_is_registered_with_its_facts():
-  assert set(models.names()) == NAMES
+  assert NAMES >= {"bert", "gpt", "gpt2", "t5"}
   for name in models.names():
     fam = models.family(name)
     assert fam.name == name and fam.layout in models.LAYOUTS
     assert hf.family_module(name).FAMILY == name
     assert (fam.decode_step is None) == (fam.layout == "encoder")
-  with pytest.raises(ValueError, match="unknown model.family 'gpt3'; known: bert, gpt, gpt2, t5"):
+  with pytest.raises(ValueError, match="unknown model.family 'gpt3'; known: bert, gpt, gpt2, t5$"):
     models.family("gpt3")
 
 
