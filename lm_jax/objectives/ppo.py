@@ -50,6 +50,6 @@ def _loop(config, workdir, *, devices=None):
   return ppo.train(config, workdir, devices=devices)
 
 
-OBJECTIVE = Objective(name="ppo", families=("gpt",), check=check, lengths=lengths, rows=clm.row_layout,
+OBJECTIVE = Objective(name="ppo", layouts=("decoder",), check=check, lengths=lengths, rows=clm.row_layout,
                       transform=no_transform, features=clm.features, denominators=clm.denominators, loss=clm.loss,
                       loop=_loop)

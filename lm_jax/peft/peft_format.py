@@ -39,8 +39,8 @@ def table(model_cfg) -> dict:
 
 
 def fan_in_fan_out(model_cfg) -> bool:
-  """PEFT's fan_in_fan_out: OpenAIGPT's Conv1D stores its weights (in, out)."""
-  return model_cfg.family == "gpt"
+  """PEFT's fan_in_fan_out: whether the family's HF layers store their weights (in, out) (GPT's Conv1D)."""
+  return hf.family_module(model_cfg).FAN_IN_FAN_OUT
 
 
 def fused(name: str):
@@ -221,11 +221,12 @@ def _peft_scale(fields: dict, module: str, rank: int) -> float:
 
 
 def read_tensors(path: str, model_cfg) -> dict:
-  """{HF name (PEFT's prefix removed): float32 array} of the PEFT directory `path`; the adapters of a bare BertModel
-  get the 'bert.' prefix of the models lm_jax exports."""
+  """{HF name (PEFT's prefix removed): float32 array} of the PEFT directory `path`; the adapters of a bare base model
+  (BertModel) get the prefix of the models lm_jax exports ('bert.')."""
   tensors = {k.removeprefix(PREFIX): v for k, v in _read(os.path.join(path, WEIGHTS_FILE)).items()}
-  if model_cfg.family == "bert" and not any(k.startswith("bert.") for k in tensors):
-    tensors = {("bert." + k if not k.startswith("classifier.") else k): v for k, v in tensors.items()}
+  base = hf.family_module(model_cfg).BASE_PREFIX
+  if base and not any(k.startswith(base) for k in tensors):   # adapters of a bare base model (BertModel)
+    tensors = {(base + k if not k.startswith("classifier.") else k): v for k, v in tensors.items()}
   return tensors
 
 
