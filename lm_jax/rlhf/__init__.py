@@ -1,2 +1,2 @@
 """Reinforcement learning from a reward: PPO (ppo.py, its arithmetic in ppo_math.py, exact toy rewards in
-rewards.py). See docs/ppo.md."""
+lm_jax/objectives/rewards.py). See docs/ppo.md."""

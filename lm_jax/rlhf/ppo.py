@@ -48,9 +48,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lm_jax import checkpoint, decoding, finetune, metrics_log, models, sharding, step, train as train_lib
 from lm_jax.data import instructions, pipeline
-from lm_jax.objectives import clm, reward as reward_lib
+from lm_jax.objectives import clm, reward as reward_lib, rewards
 from lm_jax.peft import lora
-from lm_jax.rlhf import ppo_math, rewards
+from lm_jax.rlhf import ppo_math
 
 TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record, with tokens_per_sec
 
