@@ -1,8 +1,7 @@
 """The trainer: config -> setup (objective, tokenizer, mesh, optimizer, state layout) -> init or restore ->
-a loop of jitted steps with four schedules (log, eval, checkpoint, preemption) -> the final state.
-
-The hot loop never waits for the device: metrics stay on device and are fetched every log_every steps
-(and before each checkpoint, so no non-finite loss is ever saved).
+a loop of jitted steps on the schedules every trainer shares (lm_jax.loop: log, eval, checkpoint, preemption,
+resume) -> the final state. Dependencies: main and rlhf call it; it builds on loop, step, objectives, data,
+sharding, checkpoint.
 """
 import dataclasses
 import os
@@ -113,7 +112,7 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
   data_state = lambda: checkpoint.data_state(train_it)
   schedules = loop.Schedules(
       c, mngr, log, _record(s, peak), save=lambda i, state: checkpoint.save(mngr, i, state, data_state(), c),
-      data_state=data_state, evaluate=evaluator and (lambda state: evaluator(state["params"])),
+      data_state=data_state, evaluate=(lambda state: evaluator(state["params"])) if evaluator else None,
       best=finetune.Best(str(mngr.directory.parent), c) if evaluator and c.finetune.best_metric else None)
   train_one = lambda state, i: train_step(state, sharding.global_batch(next(train_it), batch_sh))
   return loop.run(schedules, train_one, state, start, c.phase_end_step or c.total_steps)
