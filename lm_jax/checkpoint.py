@@ -274,3 +274,43 @@ class Preemption:
       return self.requested
     from jax.experimental import multihost_utils
     return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
+
+
+# -------------------------------------------------------------------------------------------------- best checkpoint
+class Best:
+  """The checkpoint of the best eval by config.finetune.best_metric (lower is better for losses, mse, perplexity
+  and bits, higher for the rest), kept in WORKDIR/best: a workdir of its own with the run's tokenizer, so
+  --init_from=WORKDIR/best evaluates, exports or predicts it. best/best.json holds its eval record, so a resumed
+  run keeps comparing against it."""
+
+  def __init__(self, workdir: str, config):
+    self.metric, self.workdir = config.finetune.best_metric, epath.Path(workdir)
+    self.dir = self.workdir / "best"
+    self.mngr = manager(str(self.dir), 1)
+    self._record_path = self.dir / "best.json"
+    self.record = json.loads(self._record_path.read_text()) if self._record_path.exists() else None
+
+  def _better(self, value: float) -> bool:
+    if self.record is None:
+      return True
+    lower = any(word in self.metric for word in ("loss", "mse", "perplexity", "bits"))
+    return value < self.record[self.metric] if lower else value > self.record[self.metric]
+
+  def offer(self, record: dict, state, data_state: dict, config) -> bool:
+    """Saves `state` when record (an eval record with its step) is the best so far; whether it was."""
+    if self.metric not in record:
+      raise ValueError(f"config.finetune.best_metric={self.metric!r} is not an eval metric of this run; it has "
+                       f"{', '.join(k for k in record if k != 'step')}")
+    if not self._better(record[self.metric]):
+      return False
+    save(self.mngr, record["step"], state, data_state, config)
+    finish(self.mngr)
+    if jax.process_index() == 0:
+      for tokenizer in self.workdir.glob("tokenizer_*.model"):
+        tokenizer.copy(self.dir / tokenizer.name, overwrite=True)
+      self._record_path.write_text(json.dumps(record))
+    self.record = record
+    return True
+
+  def close(self):
+    self.mngr.close()

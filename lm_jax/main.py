@@ -74,8 +74,9 @@ def _run(config, mode):
   elif mode == "generate":
     _print_generations(config)
   elif mode == "predict":
-    from lm_jax import finetune
-    path, metrics = finetune.predict(config, _WORKDIR.value)
+    from lm_jax import predict
+    s, params, _ = train.restore_params(config, _WORKDIR.value)
+    path, metrics = predict.predict(s, params, _WORKDIR.value)
     print(f"predictions: {path}" + "".join(f" | {k} {v:.4f}" for k, v in metrics.items()), flush=True)
   elif mode == "zeroshot":
     import json

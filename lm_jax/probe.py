@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from lm_jax import config_lib, defaults, finetune, sharding  # noqa: E402
+from lm_jax import config_lib, defaults, init_from as init_from_lib, sharding  # noqa: E402
 from lm_jax.data import tasks, tokenizer as tokenizer_lib  # noqa: E402
 from lm_jax.models import bert, layers  # noqa: E402
 from lm_jax.objectives import classify  # noqa: E402
@@ -32,14 +32,14 @@ _WIDTH = 16                   # batches are cut to a multiple of this many posit
 
 def load(init_from: str):
   """(model config in the looped layout, params, tokenizer) of a BERT checkpoint: an HF directory or a workdir."""
-  model, tokenizer_path = finetune.source_model(init_from)
+  model, tokenizer_path = init_from_lib.source_model(init_from)
   if model.family != "bert":
     raise ValueError(f"--init_from={init_from}: the probe reads BERT hidden states; this is a {model.family!r} model")
   config = defaults.base_config()
   config.init_from, config.model = init_from, layers.replace(model, scan_layers=False)
   mesh = sharding.make_mesh(config)
   with jax.set_mesh(mesh):
-    params = finetune.pretrained_params(config, mesh, sharding.rules(config))
+    params = init_from_lib.pretrained_params(config, mesh, sharding.rules(config))
   return config.model, jax.device_get(params), tokenizer_lib.load(tokenizer_path, "bert")
 
 

@@ -8,12 +8,12 @@ import os
 from typing import Callable
 
 import jax
-import numpy as np
 from etils import epath
 from flax import linen as nn
 from jax.sharding import Mesh
 
-from lm_jax import checkpoint, config_lib, evaluate, finetune, hardware, loop, metrics_log, objectives, sharding, step
+from lm_jax import (checkpoint, config_lib, finetune, hardware, init_from, loop, metrics_log, objectives, predict,
+                    sharding, step)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.peft import lora
 
@@ -34,9 +34,9 @@ class Setup:
 
 def setup(config, workdir: str, devices=None) -> Setup:
   """Validates the config (one-line errors before anything is built), then builds the run's parts. With
-  config.init_from the model architecture and tokenizer are the pre-trained model's (finetune.resolve)."""
+  config.init_from the model architecture and tokenizer are the pre-trained model's (init_from.resolve)."""
   metrics_log.quiet_libraries()
-  config = finetune.resolve(config)
+  config = init_from.resolve(config)
   devices = jax.devices() if devices is None else list(devices)
   config_lib.validate(config, len(devices), jax.process_count())
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -57,22 +57,8 @@ def make_evaluator(s: Setup) -> Callable:
   it = _hosts("eval", s)
   batches = list(it)
   eval_step = step.make_eval_step(s.config, s.objective, s.state_sharding["params"], s.mesh)
-  batch_sh = sharding.batch_sharding(s.mesh)
-
-  def run(params):
-    out = jax.device_get([eval_step(params, sharding.global_batch(b, batch_sh)) for b in batches])
-    sums = [({k: float(v) for k, v in m.items()}, {k: float(v) for k, v in d.items()}) for m, d, _ in out]
-    record = evaluate.summarize(sums, lambda metric: s.objective.denominator_of(metric, sums[0][1]),
-                                it.text_per_token)
-    if s.objective.predict:
-      record.update(evaluate.prediction_metrics(predictions(out)))
-    return record
-  return run
-
-
-def predictions(eval_outputs: list) -> dict:
-  """The per-example outputs of every eval batch, concatenated: {name: numpy array over the eval set}."""
-  return {k: np.concatenate([np.asarray(o[k]) for _, _, o in eval_outputs]) for k in eval_outputs[0][2]}
+  return lambda params: predict.eval_record(s.objective, predict.eval_outputs(eval_step, params, batches, s.mesh),
+                                            it.text_per_token)
 
 
 def _init_or_restore(s: Setup, mngr, train_it):
@@ -80,10 +66,9 @@ def _init_or_restore(s: Setup, mngr, train_it):
   restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=True)
   if restored is None:
     state = step.fresh_state(s.config, s.tx, s.state_sharding)
-    if s.config.init_from:   # pre-trained params; new heads keep the seeded init (optimizer states are zeros)
-      pretrained = lora.prepare(s.config, finetune.pretrained_params(s.config, s.mesh, s.rules))
-      params, report = finetune.initial_params(s.config, state["params"], pretrained)
-      state = dict(state, params=jax.device_put(params, s.state_sharding["params"]))
+    if s.config.init_from:   # pre-trained params; new heads keep the seeded init
+      params, report = init_from.start(s.config, state["params"], s.mesh, s.rules, s.state_sharding["params"])
+      state = dict(state, params=params)
       loop.say(report)
     return state, 0
   return restored.state, loop.resume(restored, mngr.directory, train_it)
@@ -113,7 +98,7 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
   schedules = loop.Schedules(
       c, mngr, log, _record(s, peak), save=lambda i, state: checkpoint.save(mngr, i, state, data_state(), c),
       data_state=data_state, evaluate=(lambda state: evaluator(state["params"])) if evaluator else None,
-      best=finetune.Best(str(mngr.directory.parent), c) if evaluator and c.finetune.best_metric else None)
+      best=checkpoint.Best(str(mngr.directory.parent), c) if evaluator and c.finetune.best_metric else None)
   train_one = lambda state, i: train_step(state, sharding.global_batch(next(train_it), batch_sh))
   return loop.run(schedules, train_one, state, start, c.phase_end_step or c.total_steps)
 
@@ -142,43 +127,12 @@ def train(config, workdir: str, *, devices=None) -> dict:
   return {**result, "state": state}
 
 
-def _params_from_hf(config, workdir: str):
-  """(setup, params, 0) of the Hugging Face directory config.init_from: its model config replaces config.model
-  (runtime fields such as dtype and scan_layers stay the run's), its tokenizer is used unless data.tokenizer
-  names one."""
-  from lm_jax.hf import export
-  keep = {k: config.model[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers")}
-  model_cfg, params = export.load_hf(config.init_from, **keep)
-  config = config.copy_and_resolve_references()
-  with config.unlocked():
-    config.model = model_cfg
-    config.data.tokenizer = config.data.tokenizer or config.init_from
-  s = setup(config, workdir)
-  return s, jax.device_put(lora.prepare(s.config, params, fill=True), s.state_sharding["params"]), 0
-
-
-def _has_checkpoint(workdir: str) -> bool:
-  mngr = checkpoint.manager(workdir, 1)
-  found = mngr.latest_step() is not None
-  mngr.close()
-  return found
-
-
 def restore_params(config, workdir: str):
-  """(setup, params placed on the mesh, step) of the latest checkpoint in workdir, or without one of
-  config.init_from (a Hugging Face directory, or another run's workdir): a fine-tuned run evaluates its own."""
-  own = bool(config.init_from) and _has_checkpoint(workdir)
-  if config.init_from and not own and epath.Path(config.init_from, "config.json").exists():
-    return _params_from_hf(config, workdir)
-  source = workdir if own else config.init_from or workdir
-  s = setup(config, source)
-  mngr = checkpoint.manager(source, config.keep_checkpoints)
-  with jax.set_mesh(s.mesh):
-    restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=False)
-  mngr.close()
-  if restored is None:
-    raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
-  return s, restored.state["params"], restored.step
+  """(setup, params placed on the mesh, step) of init_from.eval_source: the latest checkpoint in workdir, or without
+  one config.init_from's model."""
+  config, source = init_from.eval_source(config, workdir)
+  s = setup(config, workdir if init_from.is_hf(source) else source)   # a run's tokenizer lives in its workdir
+  return (s, *init_from.restore_params(s, source))
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:

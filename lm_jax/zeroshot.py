@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from lm_jax import decoding, finetune, train
+from lm_jax import decoding, init_from, train
 from lm_jax.data import tasks
 
 HEURISTICS = ("sentiment", "choice", "acceptability")
@@ -199,7 +199,7 @@ def evaluate(model_cfg, params, tokenizer, heuristic: str, data: Split, *, cue: 
 
 
 def _family(config) -> str:
-  return finetune.source_model(config.init_from)[0].family if config.init_from else config.model.family
+  return init_from.source_model(config.init_from)[0].family if config.init_from else config.model.family
 
 
 def run(config, workdir: str, heuristic: str, *, cue: str = "very", threshold: float | None = None,

@@ -98,7 +98,7 @@ BAD_NUMBERS = [  # (field, value, message fragment)
     ("data.target_len", -1, "config.data.target_len must be >= 0"),
     ("model.initializer_range", 0.0, "config.model.initializer_range must be > 0"),
     ("model.eos_token_id", 2048, "config.model.eos_token_id=2048 must be in [0, model.vocab_size=2048)"),
-    ("loss_z", math.inf, "config.loss_z must be finite"),
+    ("z_loss", math.inf, "config.z_loss must be finite"),
     ("label_smoothing", math.nan, "config.label_smoothing must be in [0, 1), got nan"),
     ("model.dropout_rate", math.nan, "model.dropout_rate must be in [0, 1), got nan"),
 ]

@@ -11,7 +11,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, defaults, evaluate, finetune, metrics_log, models, objectives, optim, train
+from lm_jax import (config_lib, defaults, evaluate, finetune, init_from, metrics_log, models, objectives, optim,
+                    predict, train)
 from lm_jax.data import pipeline, sources, tasks, tokenizer as tokenizer_lib
 from lm_jax.hf import export
 from lm_jax.objectives import classify
@@ -187,11 +188,11 @@ def test_classifier_exports_as_bert_for_sequence_classification(tmp_path):
 
 
 def test_initial_params_take_the_pretrained_body_and_seed_new_heads(tiny_hf, sst2):
-  c = finetune.resolve(finetune_config(sst2, tiny_hf, **{"finetune.reinit_top_layers": 1}))
+  c = init_from.resolve(finetune_config(sst2, tiny_hf, **{"finetune.reinit_top_layers": 1}))
   assert (c.model.num_layers, c.model.d_model, c.model.num_labels, c.data.tokenizer) == (3, 32, 2, tiny_hf)
   _, pretrained = export.load_hf(tiny_hf)
   fresh = models.init(c.model, jax.random.key(0))
-  params, report = finetune.initial_params(c, fresh, pretrained)
+  params, report = init_from.initial_params(c, fresh, pretrained)
   assert "fresh init: classifier" in report and "dropped: mlm, nsp" in report
   np.testing.assert_array_equal(params["classifier"]["kernel"], fresh["classifier"]["kernel"])
   for keep in (("word_embeddings", "embedding"), ("pooler", "kernel"), ("layers_1", "mlp", "wi", "kernel")):
@@ -288,7 +289,7 @@ def test_freeze_and_init_errors_name_the_field(tiny_hf, sst2):
   with pytest.raises(ValueError, match="needs config.model.num_labels >= 1"):
     config_lib.validate(config_lib.load("configs/finetune/bert.py:tiny", {"model.num_labels": 0}), 1)
   with pytest.raises(ValueError, match="holds a 'bert' model but config.model.family='gpt'"):
-    finetune.resolve(config_lib.load("configs/gpt1.py:tiny", {"init_from": tiny_hf}))
+    init_from.resolve(config_lib.load("configs/gpt1.py:tiny", {"init_from": tiny_hf}))
 
 
 def test_finetune_from_a_workdir_then_eval_and_predict_it(frozen_run, sst2, tmp_path):
@@ -299,14 +300,14 @@ def test_finetune_from_a_workdir_then_eval_and_predict_it(frozen_run, sst2, tmp_
                                                  "checkpoint_every": 1, "task.test_split": "test[:50]"})
   s = train.setup(config, str(tmp_path))
   with jax.set_mesh(s.mesh):
-    start = finetune.pretrained_params(s.config, s.mesh, s.rules)
+    start = init_from.pretrained_params(s.config, s.mesh, s.rules)
   looped = first["state"]["params"]
   np.testing.assert_array_equal(start["layers"]["mlp"]["wi"]["kernel"][2], looped["layers_2"]["mlp"]["wi"]["kernel"])
   np.testing.assert_array_equal(start["classifier"]["kernel"], looped["classifier"]["kernel"])
   train.train(config, str(tmp_path))
   record = train.evaluate_checkpoint(config, str(tmp_path))
   assert record["step"] == 1 and 0 <= record["eval_accuracy"] <= 1 and "eval_matthews" in record
-  path, metrics = finetune.predict(config, str(tmp_path))
+  path, metrics = predict.predict(*train.restore_params(config, str(tmp_path))[:2], str(tmp_path))
   lines = open(path).read().splitlines()
   assert lines[0] == "index\tprediction" and [int(l.split("\t")[0]) for l in lines[1:]] == list(range(50))
   assert {l.split("\t")[1] for l in lines[1:]} <= {"0", "1"} and 0 <= metrics["test_accuracy"] <= 1

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import checkpoint, config_lib, defaults, finetune, metrics_log, models, objectives, optim, step, train
+from lm_jax import checkpoint, config_lib, defaults, init_from, metrics_log, models, objectives, optim, step, train
 from lm_jax.data import tasks, tokenizer as tokenizer_lib
 from lm_jax.objectives import gpt_classify
 
@@ -111,7 +111,7 @@ def test_embedding_extension_keeps_pretrained_rows_and_seeds_the_new_ones():
   pre_model = config.model.copy_and_resolve_references()
   pre_model.vocab_size, pre_model.num_labels = V, 0
   pretrained, fresh = _random_params(pre_model, 3), _random_params(config.model, 4)
-  params, report = finetune.initial_params(config, fresh, pretrained)
+  params, report = init_from.initial_params(config, fresh, pretrained)
   table = np.asarray(params["word_embeddings"]["embedding"])
   assert table.shape == (V + 3, 16)
   np.testing.assert_array_equal(table[:V], pretrained["word_embeddings"]["embedding"])
@@ -183,11 +183,11 @@ def finetuned(shared_data, tmp_path_factory):
 
 def test_finetune_a_tiny_gpt_on_sst2(finetuned):
   config, root, result = finetuned
-  resolved = finetune.resolve(config)
+  resolved = init_from.resolve(config)
   assert (resolved.model.vocab_size, resolved.model.added_tokens, resolved.model.num_labels) == (131, 3, 2)
   again = config.copy_and_resolve_references()
   again.init_from = str(root / "ft")          # a fine-tuned run keeps its enlarged vocabulary
-  assert finetune.resolve(again).model.vocab_size == 131
+  assert init_from.resolve(again).model.vocab_size == 131
   assert result["state"]["params"]["word_embeddings"]["embedding"].shape == (131, 32)
   recs = metrics_log.read(str(root / "ft" / "metrics.jsonl"))
   losses = [r["loss"] for r in recs if "loss" in r]

@@ -322,7 +322,7 @@ def test_ppo_with_qlora_trains_only_adapters_and_chains_merged(overrides, compil
   rollouts have zero KL (scoring applies the adapters as the update does), and WORKDIR/policy, read by a next stage
   through init_from, is the merged model the rollouts sampled from. (On this random-init policy LoRA does not raise
   the reward within a few iterations as a full update does; its gradients equal the merged model's, test_lora.)"""
-  from lm_jax import finetune, sharding
+  from lm_jax import init_from, sharding
   from lm_jax.models import nf4
   from lm_jax.peft import lora
   fields = {**overrides, "total_steps": 8, "ppo.ptx_coef": 0.0, "lora.rank": 8, "lora.alpha": 16.0, "qlora": True,
@@ -343,7 +343,7 @@ def test_ppo_with_qlora_trains_only_adapters_and_chains_merged(overrides, compil
   next_stage = config_lib.load("configs/rlhf/ppo.py:tiny", {**overrides, "init_from": str(tmp_path / "run" / "policy")})
   mesh = sharding.make_mesh(next_stage)
   with jax.set_mesh(mesh):
-    merged = jax.device_get(finetune.pretrained_params(next_stage, mesh, sharding.RULES))
+    merged = jax.device_get(init_from.pretrained_params(next_stage, mesh, sharding.RULES))
   sampled = jax.device_get(run.sampled(result["state"]["policy"]["params"]))
   assert lora.KEY not in merged
   for x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(sampled)):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import special
 
-from lm_jax import config_lib, decoding, finetune, models, objectives, train
+from lm_jax import config_lib, decoding, finetune, models, objectives, predict, train
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.objectives import text_to_text
 
@@ -140,7 +140,7 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
   result = train.train(c, str(tmp_path))
   assert result["train"]["loss"] < 0.5, result["train"]
 
-  out, metrics = finetune.predict(c, str(tmp_path))
+  out, metrics = predict.predict(*train.restore_params(c, str(tmp_path))[:2], str(tmp_path))
   with open(out) as f:
     written = list(csv.DictReader(f, delimiter="\t"))
   truth = [LABELS[KEY in x.split()] for x in splits["test"]]
@@ -155,7 +155,7 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
   # --mode=predict of a free-form run writes its decoded texts (here after 2 steps: any texts will do)
   free.total_steps, free.checkpoint_every, free.eval_every, free.finetune.best_metric = 2, 2, 0, ""
   params = jax.device_get(train.train(free, str(tmp_path / "free"))["state"]["params"])
-  out, metrics = finetune.predict(free, str(tmp_path / "free"))
+  out, metrics = predict.predict(*train.restore_params(free, str(tmp_path / "free"))[:2], str(tmp_path / "free"))
   with open(out) as f:
     written = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
   want = text_to_text.generate_texts(free, params, tok, "test")

@@ -18,7 +18,7 @@ specific to it, so no other module branches on its name:
                    adds metrics over the whole eval set's predictions (F1, Matthews, Pearson / Spearman;
                    lm_jax.evaluate.prediction_metrics) and --mode=predict writes them
   added_tokens     (optional) special tokens it appends to the pre-trained vocabulary as new embedding rows
-                   (finetune.resolve): ids vocab_size - added_tokens .. vocab_size - 1, unknown to the tokenizer
+                   (init_from.resolve): ids vocab_size - added_tokens .. vocab_size - 1, unknown to the tokenizer
   rollouts         (optional) True: it trains on rollouts of its own policy (PPO: rollouts, scoring, updates), so
                    lm_jax.rlhf.ppo.train runs it (main.py picks it), not train.train
 
@@ -50,7 +50,7 @@ def check(config):
   if m.family in ("bert", "gpt"):   # learned absolute positions
     _require(d.seq_len <= m.max_positions,
              f"config.data.seq_len={d.seq_len} exceeds config.model.max_positions={m.max_positions}")
-  _require(config.get("loss_z", 0.0) >= 0, f"config.loss_z must be >= 0, got {config.get('loss_z')}")
+  _require(config.get("z_loss", 0.0) >= 0, f"config.z_loss must be >= 0, got {config.get('z_loss')}")
   ls = config.get("label_smoothing", 0.0)
   _require(0 <= ls < 1, f"config.label_smoothing must be in [0, 1), got {ls}")
   objective.check(config)

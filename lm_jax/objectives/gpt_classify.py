@@ -1,7 +1,7 @@
 """Fine-tuning GPT-1 on a task (Radford et al. 2018 §3.2-3.3, openai/finetune-transformer-lm train.py).
 
 Input transformations (config.task.format), with s / $ / e the start, delimiter and extract tokens, appended to the
-pre-trained vocabulary as its last three ids (added_tokens: finetune.resolve enlarges model.vocab_size, the new
+pre-trained vocabulary as its last three ids (added_tokens: init_from.resolve enlarges model.vocab_size, the new
 embedding rows keep the seeded init; the tokenizer never produces them):
   classify         [s; text; e]
   entailment       [s; premise; $; hypothesis; e]

@@ -30,7 +30,7 @@ class Objective:
   predict: Callable | None = None  # (config, params, batch) -> per-example {prediction, label, weight, index}
   predict_texts: Callable | None = None  # (config, params, tokenizer, split) -> {index, prediction (texts), target,
                                          # exact_match} when predictions are decoded texts, else None
-  added_tokens: int = 0  # special tokens appended to the pre-trained vocabulary (finetune.resolve)
+  added_tokens: int = 0  # special tokens appended to the pre-trained vocabulary (init_from.resolve)
   rollouts: bool = False  # trains on rollouts of its own policy (PPO): lm_jax.rlhf.ppo.train runs it, not train.train
 
   def tokens_per_example(self, config) -> int:

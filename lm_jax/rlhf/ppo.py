@@ -37,7 +37,7 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import checkpoint, finetune, loop as loop_lib, metrics_log, sharding, step, train as train_lib
+from lm_jax import checkpoint, finetune, init_from, loop as loop_lib, metrics_log, sharding, step, train as train_lib
 from lm_jax.data import instructions, pipeline
 from lm_jax.objectives import clm, rewards
 from lm_jax.peft import lora
@@ -97,7 +97,7 @@ def _reward_model(config):
   p, m = config.ppo, config.model
   if not (epath.Path(p.reward_from) / "checkpoints").is_dir():
     raise FileNotFoundError(f"config.ppo.reward_from={p.reward_from!r} is not a run's workdir (no checkpoints/ in it)")
-  model, _ = finetune.source_model(p.reward_from)
+  model, _ = init_from.source_model(p.reward_from)
   if model.family != "gpt" or model.get("num_labels", 0) != 1:
     raise ValueError(f"config.ppo.reward_from={p.reward_from!r} holds a {model.family} model with num_labels="
                      f"{model.get('num_labels', 0)}; a reward model is a GPT with num_labels = 1")
@@ -162,14 +162,14 @@ def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part,
                                out_shardings=part.sharding["params"])(seed)
   params = fresh(policy)
   if c.init_from:
-    pretrained = lora.prepare(c, finetune.pretrained_params(c, s.mesh, s.rules))
-    params, report = finetune.initial_params(c, params, pretrained)
+    pretrained = lora.prepare(c, init_from.pretrained_params(c, s.mesh, s.rules))
+    params, report = init_from.initial_params(c, params, pretrained)
     loop_lib.say(report)
   reward = None
   if reward_model:
-    reward = finetune.pretrained_params(_replace(c, model=reward_model, init_from=c.ppo.reward_from), s.mesh, s.rules)
+    reward = init_from.pretrained_params(_replace(c, model=reward_model, init_from=c.ppo.reward_from), s.mesh, s.rules)
   source = lora.base(c, params) if reward is None else reward
-  value_params, _ = finetune.initial_params(value.config, fresh(value), lora.prepare(value.config, source))
+  value_params, _ = init_from.initial_params(value.config, fresh(value), lora.prepare(value.config, source))
   put = lambda tree, part: jax.device_put(tree, part.sharding["params"])
   return {"policy": put(params, policy), "value": put(value_params, value), "reward_model": reward}
 

@@ -1,0 +1,217 @@
+"""Where a run's model starts and where eval / export / predict take params from: config.init_from, a Hugging Face
+directory or another run's workdir.
+
+- resolve(config): the run's model config takes the architecture of config.init_from (a Hugging Face directory's
+  config.json, or the saved config of another run's workdir) and keeps its own runtime fields and num_labels; the
+  tokenizer is the pre-trained one unless data.tokenizer names another. An objective's added_tokens (GPT-1's
+  start / delimiter / extract) enlarge the vocabulary: model.vocab_size = pre-trained + added_tokens, recorded as
+  model.added_tokens so that a run started from such a run keeps its vocabulary.
+- initial_params: every parameter the run's model shares with the pre-trained one (same path and shape) starts
+  from the pre-trained value, an enlarged embedding table its first rows; the rest (new task heads, the added
+  tokens' rows) keeps the fresh init drawn from the run's seed; the
+  pre-trained heads the run's model lacks are dropped (BERT §4: the MLM / NSP heads give way to the classifier).
+  finetune.reinit_top_layers resets the top layers of every layer stack to the fresh init.
+- eval_source / restore_params: a run with a checkpoint of its own evaluates, exports and predicts it; without one,
+  config.init_from's model.
+"""
+import glob
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import traverse_util
+
+from lm_jax import checkpoint, models, objectives, step
+from lm_jax.hf import export
+from lm_jax.models import layers
+from lm_jax.peft import lora
+
+# Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
+RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
+_LAYER = re.compile(r"layers_(\d+)")   # a looped layer's params; scanned ones are all under "layers"
+
+
+def is_hf(path: str) -> bool:
+  """Whether `path` is a Hugging Face model directory (rather than a run's workdir)."""
+  return os.path.isfile(os.path.join(path, "config.json"))
+
+
+# ------------------------------------------------------------------------------------------ the pre-trained model
+def saved_config(path: str) -> dict:
+  """The saved config of the latest checkpoint of the run in `path`."""
+  mngr = checkpoint.manager(path, 1)
+  latest = mngr.latest_step()
+  if latest is None:
+    raise FileNotFoundError(f"config.init_from={path!r}: neither a Hugging Face directory (config.json) nor a "
+                            "workdir with a checkpoint")
+  saved = mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+  mngr.close()
+  return saved
+
+
+def source_model(path: str) -> tuple[ml_collections.ConfigDict, str]:
+  """(model config, tokenizer path) of the pre-trained model in `path`."""
+  if is_hf(path):
+    return export._read_config(os.path.join(path, "config.json")), path
+  saved = saved_config(path)
+  model = ml_collections.ConfigDict(saved["model"])
+  tokenizer = saved["data"].get("tokenizer") or next(iter(sorted(glob.glob(
+      os.path.join(path, f"tokenizer_{model.family}_*.model")))), "")
+  if not tokenizer:
+    raise FileNotFoundError(f"config.init_from={path!r}: the run names no data.tokenizer and has no trained "
+                            "tokenizer_*.model")
+  return model, tokenizer
+
+
+def resolve(config):
+  """config with the model architecture (and tokenizer) of config.init_from; config itself without init_from."""
+  if not config.init_from:
+    return config
+  model, tokenizer = source_model(config.init_from)
+  if model.family != config.model.family:
+    raise ValueError(f"config.init_from={config.init_from!r} holds a {model.family!r} model but "
+                     f"config.model.family={config.model.family!r}")
+  merged = config.model.to_dict()
+  merged.update({k: v for k, v in model.to_dict().items() if k not in RUN_FIELDS})
+  added = objectives.get(config.objective).added_tokens
+  if added and not model.get("added_tokens"):   # a run that has them already (e.g. WORKDIR/best) keeps its vocab
+    merged.update(vocab_size=model.vocab_size + added, added_tokens=added)
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.model = ml_collections.ConfigDict(merged)
+    config.data.tokenizer = config.data.tokenizer or tokenizer
+  return config
+
+
+def _relayout(tree, scan: bool):
+  """`tree` with every layer stack in the scanned (scan=True) or looped layout."""
+  if not isinstance(tree, dict):
+    return tree
+  stack = [k for k in tree if k == "layers" or _LAYER.fullmatch(k)]
+  rest = {k: _relayout(v, scan) for k, v in tree.items() if k not in stack}
+  if not stack:
+    return rest
+  n = jax.tree.leaves(tree["layers"])[0].shape[0] if "layers" in tree else len(stack)
+  return {**rest, **layers.put_layers(layers.get_layers(jax.device_get({k: tree[k] for k in stack}), n), scan)}
+
+
+def pretrained_params(config, mesh, rules) -> dict:
+  """The params of config.init_from in the layout of config.model (resolved), on the host or on `mesh`; a LoRA
+  run's adapters merged into its kernels."""
+  path, m = config.init_from, config.model
+  if is_hf(path):
+    _, params = export.load_hf(path, **{k: m[k] for k in RUN_FIELDS if k in m and k != "num_labels"})
+    return params
+  source = ml_collections.ConfigDict(saved_config(path))
+  _, _, abstract, shardings = step.state_layout(source, mesh, rules)
+  mngr = checkpoint.manager(path, 1)
+  restored = checkpoint.restore_latest(mngr, abstract, shardings, source, with_data=False)
+  mngr.close()
+  params = restored.state["params"]
+  if lora.enabled(source):   # a LoRA run's model is its merged one (NF4 kernels dequantised)
+    params = jax.jit(lambda p: lora.merged(source, p))(params)
+  return _relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
+
+
+# ---------------------------------------------------------------------------------------------- initial params
+def _reinit_top(params: dict, fresh: dict, k: int) -> dict:
+  """params with the top k layers of every layer stack taken from `fresh`."""
+  if not k or not isinstance(params, dict):
+    return params
+  out = {}
+  looped = sum(1 for key in params if _LAYER.fullmatch(key))
+  for key, value in params.items():
+    m = _LAYER.fullmatch(key)
+    if m:
+      out[key] = fresh[key] if int(m.group(1)) >= looped - k else value
+    elif key == "layers":
+      out[key] = jax.tree.map(lambda p, f: np.concatenate([np.asarray(p)[:-k], np.asarray(f)[-k:]]), value, fresh[key])
+    else:
+      out[key] = _reinit_top(value, fresh[key], k)
+  return out
+
+
+def _extends(old, new) -> bool:
+  """Whether embedding table `new` has `old`'s rows and more (a vocabulary with added tokens)."""
+  return np.ndim(old) == np.ndim(new) == 2 and np.shape(old)[1] == np.shape(new)[1] and len(old) < len(new)
+
+
+def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
+  """(params, a one-line report): `pretrained` wherever it has the run's parameter with the same shape (the first
+  rows of an enlarged embedding table), `fresh` (the run's seeded init) elsewhere and in the top
+  finetune.reinit_top_layers layers."""
+  new, old = traverse_util.flatten_dict(fresh), traverse_util.flatten_dict(pretrained)
+  if models.REFERENCE in fresh and models.REFERENCE not in pretrained:   # DPO's reference: the pre-trained model
+    old.update({(models.REFERENCE, *p): jax.numpy.array(leaf, copy=True) for p, leaf in list(old.items())})
+  taken = {p for p, leaf in new.items() if p in old and np.shape(old[p]) == np.shape(leaf)}
+  grown = {p for p, leaf in new.items() if p in old and p[-1] == "embedding" and _extends(old[p], leaf)}
+
+  def start(p, leaf):
+    if p in grown:
+      return jnp.concatenate([old[p], leaf[len(old[p]):]])   # on the devices: arrays may span hosts
+    return old[p] if p in taken else leaf
+  params = traverse_util.unflatten_dict({p: start(p, leaf) for p, leaf in new.items()})
+  top = config.finetune.reinit_top_layers
+  params = _reinit_top(params, fresh, top)
+  names = lambda paths: ", ".join(sorted({p[0] for p in paths})) or "none"
+  report = (f"init_from {config.init_from}: {len(taken)} of {len(new)} parameter tensors pre-trained; "
+            + "".join(f"{'/'.join(p)}: {len(old[p])} pre-trained rows + {len(new[p]) - len(old[p])} fresh; "
+                      for p in sorted(grown))
+            + f"fresh init: {names(set(new) - taken - grown)}; dropped: {names(set(old) - set(new))}"
+            + (f"; top {top} layers re-initialised" if top else ""))
+  return params, report
+
+
+def start(config, fresh: dict, mesh, rules, params_sharding) -> tuple[dict, str]:
+  """(params placed by params_sharding, a one-line report): a fresh run's first params, config.init_from's where
+  they fit (initial_params); the optimizer states stay zeros."""
+  pretrained = lora.prepare(config, pretrained_params(config, mesh, rules))
+  params, report = initial_params(config, fresh, pretrained)
+  return jax.device_put(params, params_sharding), report
+
+
+# ------------------------------------------------------------------------------- params for eval / export / predict
+def _has_checkpoint(workdir: str) -> bool:
+  mngr = checkpoint.manager(workdir, 1)
+  found = mngr.latest_step() is not None
+  mngr.close()
+  return found
+
+
+def eval_source(config, workdir: str) -> tuple[ml_collections.ConfigDict, str]:
+  """(config, directory) of the params eval / export / predict use: the latest checkpoint in workdir, or without one
+  config.init_from's (a fine-tuned run evaluates its own). A Hugging Face directory's model config replaces
+  config.model (runtime fields such as dtype and scan_layers stay the run's); its tokenizer is used unless
+  data.tokenizer names one."""
+  if not config.init_from or _has_checkpoint(workdir):
+    return config, workdir
+  if not is_hf(config.init_from):
+    return config, config.init_from
+  model, tokenizer = source_model(config.init_from)
+  model.update({k: config.model[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers")})
+  models.validate(model)
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.model = model
+    config.data.tokenizer = config.data.tokenizer or tokenizer
+  return config, config.init_from
+
+
+def restore_params(s, source: str) -> tuple[dict, int]:
+  """(params placed on the mesh, step) of eval_source's `source` for s (the train.Setup of eval_source's config):
+  a Hugging Face directory's weights (step 0), or the latest checkpoint in a workdir."""
+  if source == s.config.init_from and is_hf(source):
+    _, params = export.load_hf(source, **{k: s.config.model[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS,
+                                                                          "scan_layers")})
+    return jax.device_put(lora.prepare(s.config, params, fill=True), s.state_sharding["params"]), 0
+  mngr = checkpoint.manager(source, s.config.keep_checkpoints)
+  with jax.set_mesh(s.mesh):
+    restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=False)
+  mngr.close()
+  if restored is None:
+    raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
+  return restored.state["params"], restored.step
