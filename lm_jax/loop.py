@@ -78,19 +78,16 @@ def check_finite(host: list[dict], first_step: int, mngr, unit: str = "step"):
 
 @dataclasses.dataclass
 class Schedules:
-  """What a loop does around its steps. record(window metrics, seconds per step) -> the log record (without step);
-  save(step, state) writes the checkpoint(s) into mngr (and others); evaluate(state) -> eval record (without step)
-  and best (offer(eval record, state, data state, config) -> bool, dir, close()) keeps the best eval's checkpoint;
-  data_state() -> the data position saved with it."""
+  """A trainer's part in the schedules; records and eval results come without their step, which run() adds."""
   config: object
-  mngr: object
+  mngr: object                  # the run's checkpoint manager (check_finite reports its latest step)
   log: metrics_log.MetricsLog
-  record: Callable
-  save: Callable
-  data_state: Callable = dict
-  evaluate: Callable | None = None
-  best: object = None
-  unit: str = "step"
+  record: Callable              # (host metrics of the window's steps, seconds per step) -> the log record
+  save: Callable                # (step, state) -> None: the step's checkpoint(s)
+  data_state: Callable = dict   # () -> the data position the best checkpoint keeps
+  evaluate: Callable | None = None   # state -> eval record
+  best: checkpoint.Best | None = None
+  unit: str = "step"            # what the messages count: step, iteration
 
 
 def run(s: Schedules, step: Callable, state, start: int, end: int) -> tuple[object, dict]:
