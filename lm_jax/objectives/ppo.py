@@ -19,7 +19,7 @@ def check(config):
            f"model's workdir) or config.ppo.reward_fn (one of {', '.join(sorted(rewards.REWARD_FNS))})")
   if p.reward_fn:
     rewards.get(p.reward_fn)
-  instructions.check_template(config)   # prompts are formatted as SFT's (lm_jax.rlhf.ppo.read_prompts)
+  instructions.check_template(config)   # prompts are formatted as SFT's (lm_jax.data.instructions.prompts)
   _require(bool(p.prompts), "config.ppo.prompts must name the prompt files (.txt: a prompt per line; .jsonl: "
            "config.ppo.prompt_field)")
   _require(p.prompt_len >= 1 and p.max_new_tokens >= 1,

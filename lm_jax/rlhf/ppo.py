@@ -3,8 +3,8 @@ formulas of TRL's PPOTrainer, lm_jax/rlhf/ppo_math.py): main.py runs `train` for
 rollouts (config.objective='ppo', Objective.rollouts). Dependencies: main -> rlhf -> train, loop, objectives;
 nothing outside rlhf/ but main imports it.
 
-One iteration: rollout (rollout.py: config.batch_size prompts drawn from config.ppo.prompts, in SFT's
-config.rlhf.template, continued by sampling from the merged policy), scoring (scoring.py: one jitted pass for the
+One iteration: rollout (rollout.py: config.batch_size prompts drawn from config.ppo.prompts, read once in SFT's
+config.rlhf.template by lm_jax.data.instructions.prompts, continued by sampling from the merged policy), scoring (scoring.py: one jitted pass for the
 log-probabilities, values, reward and the update's targets), update (update.py: epochs x minibatches of a policy and
 a value step), then the adaptive KL controller (config.ppo.kl_target > 0) moves beta. The iterations run on the
 schedules every trainer shares (lm_jax.loop: log, checkpoint, SIGTERM, resume).
@@ -24,8 +24,6 @@ resumed run repeats the uninterrupted one. config.total_steps counts iterations;
 their schedules (and optimizer.warmup_steps) run over total_steps * epochs * minibatches updates.
 """
 import dataclasses
-import glob
-import json
 import math
 import time
 
@@ -44,35 +42,6 @@ from lm_jax.peft import lora
 from lm_jax.rlhf import ppo_math, rollout, scoring, update
 
 TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record, with tokens_per_sec
-
-
-# ------------------------------------------------------------------------------------------------------ prompts
-def read_prompts(config, tokenizer) -> list[list[int]]:
-  """The token ids of every prompt in config.ppo.prompts (.txt: a prompt per non-empty line; .jsonl: the field
-  config.ppo.prompt_field) in config.rlhf.template, as SFT formats its prompts, each cut to its last
-  config.ppo.prompt_len tokens."""
-  p = config.ppo
-  instructions.check_template(config)
-  files = sorted(glob.glob(p.prompts))
-  if not files:
-    raise FileNotFoundError(f"config.ppo.prompts={p.prompts!r} matches no file")
-  texts = []
-  for path in files:
-    with open(path) as f:
-      lines = [line.rstrip("\n") for line in f if line.strip()]
-    if path.endswith(".jsonl"):
-      for i, line in enumerate(lines):
-        record = json.loads(line)
-        if p.prompt_field not in record:
-          raise ValueError(f"{path}: record {i} has no field config.ppo.prompt_field={p.prompt_field!r}")
-        texts.append(record[p.prompt_field])
-    else:
-      texts += lines
-  texts = [instructions.prompt_text(config, t) for t in texts]
-  prompts = [ids[-p.prompt_len:] for ids in tokenizer.encode_batch(texts) if ids]
-  if not prompts:
-    raise ValueError(f"config.ppo.prompts={p.prompts!r}: no prompt in {', '.join(files)}")
-  return prompts
 
 
 def _replace(config, **fields):
@@ -141,7 +110,7 @@ def build(config, workdir: str, devices=None) -> Run:
   if minibatch % per_update:
     raise ValueError(f"a minibatch of config.batch_size / config.ppo.minibatches = {minibatch} rollouts is not "
                      f"divisible by config.microbatches * mesh.data * mesh.fsdp = {per_update}")
-  prompts = read_prompts(c, s.tokenizer)
+  prompts = instructions.prompts(c, s.tokenizer)
   policy = update.part(_update_config(c, c.model, c.optimizer.lr, c.finetune.freeze), s.mesh, s.rules, update.POLICY)
   value_config = _update_config(c, value_model, p.value_lr or c.optimizer.lr, ())
   with value_config.unlocked():
