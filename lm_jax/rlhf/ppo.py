@@ -4,10 +4,10 @@ rollouts (config.objective='ppo', Objective.rollouts). Dependencies: main -> rlh
 nothing outside rlhf/ but main imports it.
 
 One iteration: rollout (rollout.py: config.batch_size prompts drawn from config.ppo.prompts, read once in SFT's
-config.rlhf.template by lm_jax.data.instructions.prompts, continued by sampling from the merged policy), scoring (scoring.py: one jitted pass for the
-log-probabilities, values, reward and the update's targets), update (update.py: epochs x minibatches of a policy and
-a value step), then the adaptive KL controller (config.ppo.kl_target > 0) moves beta. The iterations run on the
-schedules every trainer shares (lm_jax.loop: log, checkpoint, SIGTERM, resume).
+config.rlhf.template by lm_jax.data.instructions.prompts, continued by sampling from the merged policy), scoring
+(scoring.py: one jitted pass for the log-probabilities, values, reward and the update's targets), update (update.py:
+epochs x minibatches of a policy and a value step), then the adaptive KL controller (config.ppo.kl_target > 0) moves
+beta. The iterations run on the schedules every trainer shares (lm_jax.loop: log, checkpoint, SIGTERM, resume).
 
 Models: the policy starts from config.init_from (an SFT workdir, or config.model's seeded init) and the reference is
 a frozen copy of it. The value model is a separate GPT with the 'classifier' head (num_labels = 1) read at every
