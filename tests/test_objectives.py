@@ -223,8 +223,8 @@ def test_clm_never_scores_padding(monkeypatch):
 # ---------------------------------------------------------------- registry and config checks
 
 def test_registry():
-  assert {n: objectives.get(n).families for n in ("mlm", "clm", "span_corruption")} == {
-      "mlm": ("bert",), "clm": ("gpt",), "span_corruption": ("t5",)}
+  assert {n: objectives.get(n).layouts for n in ("mlm", "clm", "span_corruption")} == {
+      "mlm": ("encoder",), "clm": ("decoder",), "span_corruption": ("encoder_decoder",)}
   known = "classify, clm, dpo, gpt_classify, mlm, ppo, reward, sft, span_corruption, text_to_text"
   with pytest.raises(ValueError, match=f"config.objective='prefix_lm' is unknown; known: {known}$"):
     objectives.get("prefix_lm")

@@ -45,6 +45,6 @@ def lengths(config):
   return Lengths(inputs=p.prompt_len + p.max_new_tokens, targets=0, scored=p.max_new_tokens)
 
 
-OBJECTIVE = Objective(name="ppo", families=("gpt",), check=check, lengths=lengths, rows=clm.row_layout,
+OBJECTIVE = Objective(name="ppo", layouts=("decoder",), check=check, lengths=lengths, rows=clm.row_layout,
                       transform=no_transform, features=clm.features, denominators=clm.denominators, loss=clm.loss,
                       rollouts=True)

@@ -169,7 +169,7 @@ def denominators(batch):
 def choice_logprobs(config, params, batch):
   """(B, candidates) float32: log P(candidate | input) summed over its tokens + EOS; the encoder runs once."""
   cfg = layers.frozen(config.model)
-  model = models.family_module(cfg).Model(cfg)
+  model = models.family(cfg).Model(cfg)
   mask, choices = batch["attention_mask"], jnp.asarray(batch["choice_ids"])
   encoded = model.apply({"params": params}, batch["input_ids"], mask, method=type(model).encode)
   b, k, w = choices.shape
@@ -246,7 +246,7 @@ def predict_texts(config, params, tokenizer, split: str) -> dict | None:
   return None if candidates(config) else generate_texts(config, params, tokenizer, split)
 
 
-OBJECTIVE = Objective(name="text_to_text", families=("t5",), check=check, lengths=lengths, rows=row_layout,
+OBJECTIVE = Objective(name="text_to_text", layouts=("encoder_decoder",), check=check, lengths=lengths, rows=row_layout,
                       transform=no_transform, features=features, denominators=denominators, loss=loss, predict=predict,
                       predict_texts=predict_texts,
                       metric_denominators={"loss": "tokens", "token_loss": "tokens", "token_accuracy": "tokens",

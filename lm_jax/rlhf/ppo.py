@@ -1,4 +1,4 @@
-"""The PPO trainer for the GPT family (InstructGPT's third step, Ouyang et al. 2022; Ziegler et al. 2019; the
+"""The PPO trainer for decoder-only models (InstructGPT's third step, Ouyang et al. 2022; Ziegler et al. 2019; the
 formulas of TRL's PPOTrainer, lm_jax/rlhf/ppo_math.py): main.py runs `train` for an objective that trains on its own
 rollouts (config.objective='ppo', Objective.rollouts). Dependencies: main -> rlhf -> train, loop, objectives;
 nothing outside rlhf/ but main imports it.
@@ -10,13 +10,13 @@ epochs x minibatches of a policy and a value step), then the adaptive KL control
 beta. The iterations run on the schedules every trainer shares (lm_jax.loop: log, checkpoint, SIGTERM, resume).
 
 Models: the policy starts from config.init_from (an SFT workdir, or config.model's seeded init) and the reference is
-a frozen copy of it. The value model is a separate GPT with the 'classifier' head (num_labels = 1) read at every
-response position, initialised as InstructGPT's from the reward model (config.ppo.reward_from), or with an exact
-reward from the policy's initial weights and a fresh head. Separate, its regression does not pull on the policy's
-features and it has its own optimizer (learning rate config.ppo.value_lr), so TRL's vf_coef, a weight between two
-losses of one model, has no role. With LoRA / QLoRA (config.lora, config.qlora) policy and value model each train
-their own adapters on a frozen base; rollouts sample from the merged policy, the scoring pass applies the adapters
-as the updates do (docs/lora.md).
+a frozen copy of it. The value model is a separate decoder-only model with the 'classifier' head (num_labels = 1)
+read at every response position, initialised as InstructGPT's from the reward model (config.ppo.reward_from), or
+with an exact reward from the policy's initial weights and a fresh head. Separate, its regression does not pull on
+the policy's features and it has its own optimizer (learning rate config.ppo.value_lr), so TRL's vf_coef, a weight
+between two losses of one model, has no role. With LoRA / QLoRA (config.lora, config.qlora) policy and value model
+each train their own adapters on a frozen base; rollouts sample from the merged policy, the scoring pass applies the
+adapters as the updates do (docs/lora.md).
 
 Checkpoints (every config.checkpoint_every iterations, at the end and on SIGTERM) hold both models' train states,
 the sampler key (prompts, samples and minibatch order derive from it), beta and the PPO-ptx stream's position: a
@@ -35,7 +35,8 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import checkpoint, finetune, init_from, loop as loop_lib, metrics_log, sharding, step, train as train_lib
+from lm_jax import (checkpoint, finetune, init_from, loop as loop_lib, metrics_log, models, sharding, step,
+                    train as train_lib)
 from lm_jax.data import instructions, pipeline
 from lm_jax.objectives import clm, rewards
 from lm_jax.peft import lora
@@ -62,14 +63,14 @@ def _update_config(config, model, lr: float, freeze: tuple):
 
 
 def _reward_model(config):
-  """config.ppo.reward_from's model config (run with this run's runtime fields): a GPT with num_labels = 1."""
+  """config.ppo.reward_from's model config (run with this run's runtime fields): decoder-only, num_labels = 1."""
   p, m = config.ppo, config.model
   if not (epath.Path(p.reward_from) / "checkpoints").is_dir():
     raise FileNotFoundError(f"config.ppo.reward_from={p.reward_from!r} is not a run's workdir (no checkpoints/ in it)")
   model, _ = init_from.source_model(p.reward_from)
-  if model.family != "gpt" or model.get("num_labels", 0) != 1:
+  if models.family(model).layout != "decoder" or model.get("num_labels", 0) != 1:
     raise ValueError(f"config.ppo.reward_from={p.reward_from!r} holds a {model.family} model with num_labels="
-                     f"{model.get('num_labels', 0)}; a reward model is a GPT with num_labels = 1")
+                     f"{model.get('num_labels', 0)}; a reward model is decoder-only with num_labels = 1")
   if model.vocab_size != m.vocab_size:
     raise ValueError(f"config.ppo.reward_from={p.reward_from!r} has vocab_size {model.vocab_size}, the policy "
                      f"{m.vocab_size}: train the reward model from the policy's SFT workdir")
