@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from lm_jax import (checkpoint, config_lib, hardware, init_from, loop, metrics_log, objectives, params as params_lib,
                     predict, sharding, step)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
+from lm_jax.hf import export
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +150,6 @@ def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = Fals
   """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf).
   An adapter run (LoRA, IA³) writes its base model there and its adapters in the PEFT format to export_dir/adapter,
   or with `merged` the model with the adapters merged in."""
-  from lm_jax.hf import export
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     from jax.experimental import multihost_utils
