@@ -24,6 +24,7 @@ logdir=${LM_JAX_LOG_DIR:-$(mktemp -d /tmp/lm_jax_local.XXXXXX)}
 mkdir -p "$logdir"
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
+for ((i = 0; i < num; i++)); do : >"$logdir/process_$i.log"; done   # exist before tail opens process 0's
 declare -A index  # pid -> process index, for the processes still running
 for ((i = 0; i < num; i++)); do
   LM_JAX_COORDINATOR=127.0.0.1:$port LM_JAX_NUM_PROCESSES=$num LM_JAX_PROCESS_ID=$i \

@@ -14,6 +14,7 @@ from lm_jax import config_lib, decoding, defaults, metrics_log, models, objectiv
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.data import toy_tasks
 from lm_jax.hf import export
+from lm_jax.rlhf import ppo
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -176,8 +177,9 @@ GPT2 = {"model.family": "gpt2", "model.d_model": 32, "model.num_layers": 1, "mod
 def _run(file, fields, workdir):
   """Trains the tiny run; asserts it logged every step with finite values."""
   config = config_lib.load(f"configs/{file}", {**GPT2, **fields})
-  assert models.family(config.model).layout in objectives.get(config.objective).layouts
-  train.train(config, str(workdir))
+  objective = objectives.get(config.objective)
+  assert models.family(config.model).layout in objective.layouts
+  (ppo.train if objective.rollouts else train.train)(config, str(workdir))
   logged = [r for r in metrics_log.read(os.path.join(workdir, "metrics.jsonl")) if "step" in r]
   assert max(r["step"] for r in logged) == 3
   values = [v for r in logged for v in r.values() if isinstance(v, float)]
