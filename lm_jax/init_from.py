@@ -16,7 +16,6 @@ directory or another run's workdir.
 """
 import glob
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,6 @@ from lm_jax.peft import lora
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
 RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
-_LAYER = re.compile(r"layers_(\d+)")   # a looped layer's params; scanned ones are all under "layers"
 
 
 def is_hf(path: str) -> bool:
@@ -87,18 +85,6 @@ def resolve(config):
   return config
 
 
-def _relayout(tree, scan: bool):
-  """`tree` with every layer stack in the scanned (scan=True) or looped layout."""
-  if not isinstance(tree, dict):
-    return tree
-  stack = [k for k in tree if k == "layers" or _LAYER.fullmatch(k)]
-  rest = {k: _relayout(v, scan) for k, v in tree.items() if k not in stack}
-  if not stack:
-    return rest
-  n = jax.tree.leaves(tree["layers"])[0].shape[0] if "layers" in tree else len(stack)
-  return {**rest, **layers.put_layers(layers.get_layers(jax.device_get({k: tree[k] for k in stack}), n), scan)}
-
-
 def pretrained_params(config, mesh, rules) -> dict:
   """The params of config.init_from in the layout of config.model (resolved), on the host or on `mesh`; a LoRA
   run's adapters merged into its kernels."""
@@ -114,7 +100,7 @@ def pretrained_params(config, mesh, rules) -> dict:
   params = restored.state["params"]
   if lora.enabled(source):   # a LoRA run's model is its merged one (NF4 kernels dequantised)
     params = jax.jit(lambda p: lora.merged(source, p))(params)
-  return _relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
+  return layers.relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
 
 
 # ---------------------------------------------------------------------------------------------- initial params
@@ -123,9 +109,9 @@ def _reinit_top(params: dict, fresh: dict, k: int) -> dict:
   if not k or not isinstance(params, dict):
     return params
   out = {}
-  looped = sum(1 for key in params if _LAYER.fullmatch(key))
+  looped = sum(1 for key in params if layers.LOOPED.fullmatch(key))
   for key, value in params.items():
-    m = _LAYER.fullmatch(key)
+    m = layers.LOOPED.fullmatch(key)
     if m:
       out[key] = fresh[key] if int(m.group(1)) >= looped - k else value
     elif key == "layers":
