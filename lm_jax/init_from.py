@@ -13,6 +13,8 @@ directory or another run's workdir.
   finetune.reinit_top_layers resets the top layers of every layer stack to the fresh init.
 - eval_source / restore_params: a run with a checkpoint of its own evaluates, exports and predicts it; without one,
   config.init_from's model.
+A Hugging Face directory is read here only: source_model (its config.json and tokenizer) and pretrained_params (its
+weights, lm_jax.hf.export.load_hf), whether a run starts from it or evaluates, exports, probes or decodes it.
 """
 import glob
 import os
@@ -87,7 +89,7 @@ def resolve(config):
 
 def pretrained_params(config, mesh, rules) -> dict:
   """The params of config.init_from in the layout of config.model (resolved), on the host or on `mesh`; a LoRA
-  run's adapters merged into its kernels."""
+  run's adapters merged into its kernels. The one place a Hugging Face directory's weights are read."""
   path, m = config.init_from, config.model
   if is_hf(path):
     _, params = export.load_hf(path, **{k: m[k] for k in RUN_FIELDS if k in m and k != "num_labels"})
@@ -191,9 +193,8 @@ def restore_params(s, source: str) -> tuple[dict, int]:
   """(params placed on the mesh, step) of eval_source's `source` for s (the train.Setup of eval_source's config):
   a Hugging Face directory's weights (step 0), or the latest checkpoint in a workdir."""
   if source == s.config.init_from and is_hf(source):
-    _, params = export.load_hf(source, **{k: s.config.model[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS,
-                                                                          "scan_layers")})
-    return jax.device_put(lora.prepare(s.config, params, fill=True), s.state_sharding["params"]), 0
+    params = lora.prepare(s.config, pretrained_params(s.config, s.mesh, s.rules), fill=True)
+    return jax.device_put(params, s.state_sharding["params"]), 0
   mngr = checkpoint.manager(source, s.config.keep_checkpoints)
   with jax.set_mesh(s.mesh):
     restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=False)
