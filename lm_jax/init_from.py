@@ -154,7 +154,7 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
   return params, report
 
 
-def start(config, fresh: dict, mesh, rules, params_sharding) -> tuple[dict, str]:
+def start_params(config, fresh: dict, mesh, rules, params_sharding) -> tuple[dict, str]:
   """(params placed by params_sharding, a one-line report): a fresh run's first params, config.init_from's where
   they fit (initial_params); the optimizer states stay zeros."""
   pretrained = lora.prepare(config, pretrained_params(config, mesh, rules))
