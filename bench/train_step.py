@@ -7,7 +7,7 @@ same model, shapes, dtype and batch, and against the XLA matmul rate of this mac
 
 Ours is the real step: lm_jax.step.make_train_step with the config's objective and optimizer, built with
 lm_jax.train's own setup functions, on a synthetic batch of the objective's features. FLOPs are the
-trainer's (lm_jax.flops.train_flops_per_sequence, so MFU here is the training log's MFU), cross-checked
+trainer's (Objective.flops_per_example, so MFU here is the training log's MFU), cross-checked
 against XLA's cost_analysis of the compiled step. The peer trains transformers' BertForPreTraining /
 OpenAIGPTLMHeadModel / T5ForConditionalGeneration built from our config (lm_jax.hf.*.hf_config), with
 torch.optim.AdamW and the same gradient clipping. T5's Adafactor is replaced by AdamW on both sides so both
@@ -45,11 +45,12 @@ PEERS = ("eager", "compiled")
 # ------------------------------------------------------------------------------------------------ config, batch
 def load_config(shape, args):
   """The shape's config from configs/*.py with the benchmark's batch, dtype and --set overrides."""
-  from lm_jax import config_lib
+  from lm_jax import config_lib, models
   file, variant, seq_len, _ = SHAPES[shape]
   config = config_lib.load(os.path.join(REPO, "configs", f"{file}.py:{QUICK[file] if args.quick else variant}"))
   config.data.seq_len = seq_len // 4 if args.quick else seq_len
-  if config.model.family == "bert":  # BERT's create_pretraining_data: round(0.15 * seq_len), 20 at 128
+  # BERT's create_pretraining_data: round(0.15 * seq_len), 20 at 128
+  if models.family(config.model).layout == "encoder":
     config.data.max_predictions_per_seq = max(1, round(0.15 * config.data.seq_len))
   if config.optimizer.name == "adafactor":  # the peer's AdamW, so both sides do the same optimizer work
     config.optimizer.name, config.optimizer.weight_decay, config.optimizer.clip_norm = "adamw", 0.01, 1.0
@@ -159,23 +160,22 @@ def _hf_model(config):
   fields = hf.family_module(config.model).hf_config(config.model)
   fields.pop("architectures")
   hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-  cls = {"bert": transformers.BertForPreTraining, "gpt": transformers.OpenAIGPTLMHeadModel,
-         "t5": transformers.T5ForConditionalGeneration}[config.model.family]
-  return cls(hf_config)
+  return getattr(transformers, hf.family_module(config.model).ARCHITECTURE)(hf_config)
 
 
 def _hf_inputs(config, batch):
   """The same synthetic batch in the peer's input format (labels = -100 where nothing is scored)."""
   import torch
+  from lm_jax import models
   t = lambda x: torch.as_tensor(np.asarray(x, np.int64))
-  family = config.model.family
-  if family == "bert":
+  layout = models.family(config.model).layout
+  if layout == "encoder":
     labels = np.full(batch["input_ids"].shape, -100, np.int64)
     np.put_along_axis(labels, batch["mlm_positions"], batch["mlm_ids"], axis=1)
     return dict(input_ids=t(batch["input_ids"]), token_type_ids=t(batch["token_type_ids"]),
                 attention_mask=t(batch["attention_mask"]), labels=t(labels),
                 next_sentence_label=t(batch["nsp_labels"]))
-  if family == "gpt":  # HF shifts the labels itself
+  if layout == "decoder":  # HF shifts the labels itself
     return dict(input_ids=t(batch["input_ids"]), labels=t(batch["input_ids"]))
   return dict(input_ids=t(batch["input_ids"]), attention_mask=t(batch["attention_mask"]),
               decoder_input_ids=t(batch["decoder_input_ids"]),

@@ -1,4 +1,4 @@
-"""lm_jax: pre-train, evaluate and export BERT-, GPT-1- and T5-style language models in pure JAX.
+"""lm_jax: pre-train, evaluate and export BERT-, GPT-1-, GPT-2- and T5-style language models in pure JAX.
 
 Data flows config -> batch -> step -> checkpoint:
   main.py         the CLI (--mode=train|eval|export|summary); config_lib.py loads and validates configs
@@ -8,7 +8,8 @@ Data flows config -> batch -> step -> checkpoint:
   step.py         the train state and the one jitted, mesh-sharded train / eval step for every objective
   objectives/     one file per objective (mlm, clm, span_corruption): rows, transform, loss, counts, checks
   data/           sources (TFDS, files), tokenizers, row layouts, and the host-count-independent pipeline
-  models/         architecture only: shared layers + bert.py, gpt.py, t5.py (linen, applied functionally)
+  models/         one file per family (bert.py, gpt.py, gpt2.py, t5.py; linen, applied functionally) on shared
+                  layers, each declaring its Family record (registry.py): layout, FLOPs, tokenizer specials, decoding
   hf/             Hugging Face conversion per family and export / import of checkpoint directories
   sharding.py     the mesh and logical-axis rules; checkpoint.py orbax save / restore / resume, best checkpoint
   optim.py        the papers' optimizers and schedules; evaluate.py held-out metrics; metrics_log.py logs

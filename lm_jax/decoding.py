@@ -1,9 +1,10 @@
 """Text generation (greedy, sampling, beam search) on the models' KV cache, and continuation scoring.
 
 `generate` pads the prompts, then one jitted program feeds them in a single decode_step and runs the token
-loop in `lax.while_loop`, stopping as soon as every row is done. GPT prompts are left-padded with their
-positions counted from each row's first real token, so a row decodes exactly as it would alone; T5 prompts
-are the encoder input (right-padded, masked) and the decoder starts from model.decoder_start_token_id.
+loop in `lax.while_loop`, stopping as soon as every row is done. What a prompt is depends on the family's layout
+(lm_jax.models.family): a decoder's (GPT) prompts are left-padded with their positions counted from each row's
+first real token, so a row decodes exactly as it would alone; an encoder-decoder's (T5) are the encoder input
+(right-padded, masked) and the decoder starts from model.decoder_start_token_id.
 Beam search follows transformers' beam search (GenerationMixin._beam_search): 2 * num_beams candidates per
 step, a hypothesis' score is its summed log-probability / (generated length incl. EOS) ** length_penalty,
 early_stopping True / False / "never" as there; its results are token-identical to transformers' `generate`.
@@ -61,10 +62,11 @@ def _pad(rows, width: int, pad_id: int, left: bool = False) -> tuple[np.ndarray,
 # --------------------------------------------------------------------------------------------- decoder state
 def _start(cfg, params, ids, mask, cache_len: int):
   """Feeds the prompts -> (logits of each row's first new token (B, V), decoder state)."""
-  if cfg.family == "gpt":
+  fam = models.family(cfg)
+  if fam.layout == "decoder":
     cache = models.init_cache(cfg, params, {"input_ids": ids}, cache_len)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    logits, cache = models.family_module(cfg).decode_step(cfg, params, ids, cache, mask, positions)
+    logits, cache = fam.decode_step(cfg, params, ids, cache, mask, positions)
     return logits[:, -1], {"cache": cache, "position": positions[:, -1] + 1}
   cache = models.init_cache(cfg, params, {"input_ids": ids, "attention_mask": mask}, cache_len)
   start = jnp.full((ids.shape[0], 1), cfg.decoder_start_token_id, jnp.int32)
@@ -74,9 +76,9 @@ def _start(cfg, params, ids, mask, cache_len: int):
 
 def _feed(cfg, params, tokens, state):
   """One new token per row (B,) -> (logits of the next one (B, V), state)."""
-  if cfg.family == "gpt":
-    logits, cache = models.family_module(cfg).decode_step(cfg, params, tokens[:, None], state["cache"],
-                                                          positions=state["position"][:, None])
+  fam = models.family(cfg)
+  if fam.layout == "decoder":
+    logits, cache = fam.decode_step(cfg, params, tokens[:, None], state["cache"], positions=state["position"][:, None])
     return logits[:, -1], {"cache": cache, "position": state["position"] + 1}
   logits, cache = models.decode_step(cfg, params, tokens[:, None], state["cache"])
   return logits[:, -1], {"cache": cache}
@@ -192,6 +194,14 @@ def _beam_search(cfg, opts, knobs, params, ids, mask):
 
 
 # ------------------------------------------------------------------------------------------------ generate
+def _decoder_layout(cfg, what: str) -> str:
+  """The family's layout, 'decoder' or 'encoder_decoder'; a one-line ValueError for an encoder."""
+  fam = models.family(cfg)
+  if fam.layout not in ("decoder", "encoder_decoder"):
+    raise ValueError(f"{what} needs a decoder, got model.family={fam.name!r} (an {fam.layout})")
+  return fam.layout
+
+
 class _Options(NamedTuple):   # static: a change recompiles
   beam: bool
   max_new_tokens: int
@@ -225,16 +235,15 @@ def generate(model_cfg, params, prompts_ids, *, max_new_tokens: int, method: str
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_beams: int = 4,
              length_penalty: float = 1.0, early_stopping: bool | str = True, eos_id: int | None = None,
              pad_id: int = 0, seed: int = 0) -> list[list[int]]:
-  """Continuations of token-id prompts (GPT: the text so far; T5: the encoder input) -> per prompt its new
-  tokens, up to and including eos_id (None: always max_new_tokens tokens).
+  """Continuations of token-id prompts (a decoder's: the text so far; an encoder-decoder's: the encoder input) -> per
+  prompt its new tokens, up to and including eos_id (None: always max_new_tokens tokens).
 
   method: 'greedy', 'sample' (temperature, top_k (0 = off), top_p (1.0 = off), seed: the same seed gives the
   same tokens) or 'beam' (num_beams, length_penalty, early_stopping True / False / 'never' as in
   transformers). pad_id fills the prompts' padding and finished rows.
   """
   cfg = layers.frozen(model_cfg)
-  if cfg.family not in ("gpt", "t5"):
-    raise ValueError(f"generate needs a decoder (model.family gpt or t5), got {cfg.family!r}")
+  layout = _decoder_layout(cfg, "generate")
   if method not in METHODS:
     raise ValueError(f"unknown decoding method {method!r}; known: {', '.join(METHODS)}")
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -250,7 +259,7 @@ def generate(model_cfg, params, prompts_ids, *, max_new_tokens: int, method: str
     raise ValueError("generate: no prompts")
   _check_ids("prompts_ids", prompts, cfg.vocab_size)
   longest = max(map(len, prompts))
-  if cfg.family == "gpt":
+  if layout == "decoder":
     room = cfg.max_positions - max_new_tokens + 1   # the last new token is never fed
     if longest > room:
       raise ValueError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
@@ -259,7 +268,7 @@ def generate(model_cfg, params, prompts_ids, *, max_new_tokens: int, method: str
     cache_len = width + max_new_tokens - 1
   else:
     width, cache_len = _bucket(longest), max_new_tokens
-  ids, mask = _pad(prompts, width, pad_id, left=cfg.family == "gpt")
+  ids, mask = _pad(prompts, width, pad_id, left=layout == "decoder")
   opts = _Options(method == "beam", max_new_tokens, cache_len, num_beams if method == "beam" else 1)
   # length ** length_penalty in float64, rounded to float32, as transformers computes it
   penalty = (np.arange(1, max_new_tokens + 1, dtype=np.float64) ** length_penalty).astype(np.float32)
@@ -284,17 +293,17 @@ def _score_batch(cfg, params, inputs, targets, weights):
 def score(model_cfg, params, contexts, continuations, *, batch_size: int = 8) -> tuple[np.ndarray, np.ndarray]:
   """log P(continuation | context) summed over the continuation's tokens (N,) float32, and whether each
   continuation is the greedy one, i.e. every token the argmax (N,) bool. contexts / continuations: lists of
-  token-id lists. GPT reads context + continuation in one causal pass; T5 encodes the context and scores the
-  continuation as the decoder target after model.decoder_start_token_id. batch_size rows per forward pass."""
+  token-id lists. A decoder (GPT) reads context + continuation in one causal pass; an encoder-decoder (T5) encodes
+  the context and scores the continuation as the decoder target after model.decoder_start_token_id. batch_size rows
+  per forward pass."""
   cfg = layers.frozen(model_cfg)
-  if cfg.family not in ("gpt", "t5"):
-    raise ValueError(f"score needs a decoder (model.family gpt or t5), got {cfg.family!r}")
+  layout = _decoder_layout(cfg, "score")
   contexts, continuations = [list(c) for c in contexts], [list(c) for c in continuations]
   if len(contexts) != len(continuations):
     raise ValueError(f"score: {len(contexts)} contexts but {len(continuations)} continuations")
   _check_ids("contexts", contexts, cfg.vocab_size)
   _check_ids("continuations", continuations, cfg.vocab_size)
-  if cfg.family == "gpt":
+  if layout == "decoder":
     seqs = [c + x for c, x in zip(contexts, continuations)]
     for i, s in enumerate(seqs):
       if len(s) - 1 > cfg.max_positions:
@@ -308,7 +317,7 @@ def score(model_cfg, params, contexts, continuations, *, batch_size: int = 8) ->
     rows = order[start:start + batch_size]
     rows_padded = np.concatenate([rows, np.repeat(rows[:1], batch_size - len(rows))])   # one batch shape
     conts = [continuations[i] for i in rows_padded]
-    if cfg.family == "gpt":
+    if layout == "decoder":
       seq = [seqs[i] for i in rows_padded]
       width = min(_bucket(max(len(s) for s in seq) - 1), cfg.max_positions)
       ids, mask = _pad([s[:-1] for s in seq], width, cfg.pad_token_id)

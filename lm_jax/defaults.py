@@ -40,7 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.schedule = "linear"
   c.optimizer.clip_norm = 1.0
 
-  c.loss_z = 0.0                  # z-loss weight on log(Z)^2 (PaLM / T5X); 0 = off
+  c.z_loss = 0.0                  # z-loss weight on log(Z)^2 (PaLM / T5X); 0 = off
   c.label_smoothing = 0.0
 
   c.batch_size = 8

@@ -80,8 +80,3 @@ def maybe_initialize() -> str:
   else:
     jax.distributed.initialize()
   return kind
-
-
-def is_main_process() -> bool:
-  """True on the one process (index 0) that writes logs, metrics and other single-copy files."""
-  return jax.process_index() == 0

@@ -21,11 +21,12 @@ def read_prompts(prompts, prompts_file: str | None) -> list[str]:
 
 
 def generate_text(config, workdir: str, texts: list[str], **options) -> list[str]:
-  """Continuations of text prompts (GPT: the text so far; T5: the encoder input, eos-terminated) with
-  lm_jax.decoding.generate(**options), decoded without their eos."""
+  """Continuations of text prompts (a decoder's: the text so far; an encoder-decoder's: the encoder input,
+  eos-terminated) with lm_jax.decoding.generate(**options), decoded without their eos."""
   s, params, _ = train.restore_params(config, workdir)
   params, tok, m = lora.materialize(s.config, params), s.tokenizer, s.config.model
-  prompts = [tok.encode(t) + ([tok.eos_id] if m.family == "t5" else []) for t in texts]
+  eos = [tok.eos_id] if models.family(m).layout == "encoder_decoder" else []
+  prompts = [tok.encode(t) + eos for t in texts]
   out = decoding.generate(m, params, prompts, eos_id=tok.eos_id, pad_id=tok.pad_id, **options)
   return [tok.decode([i for i in ids if i != tok.eos_id]) for ids in out]
 
@@ -45,7 +46,7 @@ def fill_mask(config, workdir: str, texts: list[str], top_k: int = 5) -> list[li
   """Per text, per [MASK]: the top_k (token, probability) of the MLM head."""
   s, params, _ = train.restore_params(config, workdir)
   params, tok, m = lora.materialize(s.config, params), s.tokenizer, s.config.model
-  if tok.mask_id is None or m.family != "bert":
+  if tok.mask_id is None or models.family(m).layout != "encoder":
     raise ValueError(f"--mode=fill_mask needs a BERT model and tokenizer; config.model.family={m.family!r}")
   rows = [[tok.cls_id] + encode_masked(tok, t)[:s.config.data.seq_len - 2] + [tok.sep_id] for t in texts]
   masks = [[i for i, t in enumerate(r) if t == tok.mask_id] for r in rows]

@@ -21,9 +21,9 @@ activations: analytic, what the backward pass keeps per layer (Korthikanti et al
   remat 'minimal' keeps only the weight matmuls' outputs (3A + 2D + F or 2F for gated, + cross A + D, +
   2A per encoder token) plus the layer input D; 'full' keeps the layer input D; both add one layer's
   full set, recomputed during its backward. Outside the layers: embeddings and final norm (3D per
-  token), the loss head (float32 logits + log-probabilities, 8 V/t bytes per scored token;
-  BERT's transform 4D per prediction). Rows per device = batch_size / microbatches / (mesh size of
-  'batch'). Not counted: XLA temporaries (gradients of the logits, fusion buffers), all-gathered FSDP
+  token), the loss head (float32 logits + log-probabilities, 8 V/t bytes per scored token; a head
+  transform, BERT's (Family.head_transform), 4D per prediction). Rows per device = batch_size / microbatches /
+  (mesh size of 'batch'). Not counted: XLA temporaries (gradients of the logits, fusion buffers), all-gathered FSDP
   weights in flight, the optimizer update's temporaries: measured peaks run higher (see README).
 """
 import dataclasses
@@ -140,7 +140,7 @@ def activation_bytes(config, rows: int, div: dict) -> int:
 
   lengths = objectives.get(config.objective).lengths(config)
   L, T = lengths.inputs, lengths.targets
-  head = 8 * V + (4 * D * c if m.family == "bert" else 0)  # BERT's MLM transform runs on scored positions only
+  head = 8 * V + (4 * D * c if models.family(m).head_transform else 0)  # on the scored positions only
   per_row = (3 * D * c + p * D) * (L + T) + head * lengths.scored
   if T:   # encoder-decoder
     per_row += stack(m.num_layers, L, L) + stack(t5.num_decoder_layers(m), T, T, L, L)

@@ -21,9 +21,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from lm_jax import config_lib, defaults, init_from as init_from_lib, sharding  # noqa: E402
+from lm_jax import config_lib, defaults, init_from as init_from_lib, models, sharding  # noqa: E402
 from lm_jax.data import tasks, tokenizer as tokenizer_lib  # noqa: E402
-from lm_jax.models import bert, layers  # noqa: E402
+from lm_jax.models import layers  # noqa: E402
 from lm_jax.objectives import classify  # noqa: E402
 
 C_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
@@ -33,14 +33,14 @@ _WIDTH = 16                   # batches are cut to a multiple of this many posit
 def load(init_from: str):
   """(model config in the looped layout, params, tokenizer) of a BERT checkpoint: an HF directory or a workdir."""
   model, tokenizer_path = init_from_lib.source_model(init_from)
-  if model.family != "bert":
+  if models.family(model).layout != "encoder":
     raise ValueError(f"--init_from={init_from}: the probe reads BERT hidden states; this is a {model.family!r} model")
   config = defaults.base_config()
   config.init_from, config.model = init_from, layers.replace(model, scan_layers=False)
   mesh = sharding.make_mesh(config)
   with jax.set_mesh(mesh):
     params = init_from_lib.pretrained_params(config, mesh, sharding.rules(config))
-  return config.model, jax.device_get(params), tokenizer_lib.load(tokenizer_path, "bert")
+  return config.model, jax.device_get(params), tokenizer_lib.load(tokenizer_path, model.family)
 
 
 def _layers(model_cfg, layer: int, last4: bool) -> tuple:
@@ -60,8 +60,8 @@ def _encode(cfg, params, batch, chosen, pooling):
   """Pooled outputs of the chosen layers, concatenated: (B, len(chosen) * d_model). Everything else the model
   computes (later layers, heads) is dead code that XLA drops."""
   is_block = lambda module, method: isinstance(module, layers.PostLNBlock)
-  _, state = bert.Model(cfg).apply({"params": params}, batch, capture_intermediates=is_block,
-                                   mutable=["intermediates"])
+  _, state = models.family(cfg).Model(cfg).apply({"params": params}, batch, capture_intermediates=is_block,
+                                                 mutable=["intermediates"])
   mask = batch["attention_mask"][..., None].astype(jnp.float32)
   pooled = []
   for i in chosen:

@@ -29,7 +29,7 @@ def _rows(abstract) -> list[tuple[str, tuple, int, int]]:
 def print_summary(config) -> None:
   model_cfg = config.model
   abstract = models.abstract_params(model_cfg)
-  heads = getattr(models.family_module(model_cfg), "HEADS", ())
+  heads = models.family(model_cfg).heads
   rows = _rows(abstract)
   width = max(len(r[0]) for r in rows)
   print(f"{'module':<{width}}  {'shape':<22} {'copies':>6} {'params':>13}")

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from lm_jax import decoding, init_from, train
+from lm_jax import decoding, init_from, models, train
 from lm_jax.data import tasks
 
 HEURISTICS = ("sentiment", "choice", "acceptability")
@@ -171,7 +171,7 @@ def evaluate(model_cfg, params, tokenizer, heuristic: str, data: Split, *, cue: 
              threshold: float | None = None, chosen_on: Split | None = None, batch_size: int = 32) -> dict:
   """The heuristic's result on `data`: {heuristic, split, examples, skipped, accuracy, ...}. Acceptability: accuracy
   and matthews at `threshold`, or at the best threshold on `chosen_on`, and oracle_* (best on `data` itself)."""
-  if model_cfg.family != "gpt":
+  if models.family(model_cfg).layout != "decoder":
     raise ValueError(f"--mode=zeroshot scores with a GPT language model; this is a {model_cfg.family!r} model")
   out = {"heuristic": heuristic, "split": data.name, "examples": len(data.labels), "skipped": data.skipped}
   if heuristic == "sentiment":
@@ -213,7 +213,7 @@ def run(config, workdir: str, heuristic: str, *, cue: str = "very", threshold: f
   if threshold is not None and threshold_split:
     raise ValueError("give --threshold or --threshold_split, not both")
   family = _family(config)
-  if family != "gpt":
+  if models.family(family).layout != "decoder":
     raise ValueError(f"--mode=zeroshot scores with a GPT language model; config.model.family={family!r}")
   data = read(config, heuristic, config.data.eval_split)
   chosen_on = read(config, heuristic, threshold_split) if threshold_split else None

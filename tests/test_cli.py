@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from lm_jax import flops, objectives
+from lm_jax import objectives, scaling
 from lm_jax.data import tokenizer
 from conftest import cli, flags, load_config, records
 
@@ -49,7 +49,7 @@ def test_logged_mfu_is_the_benchmarks_flop_count(trained):
   _, workdir, _, config = trained
   objective = objectives.get(config.objective)
   per_sequence = objective.flops_per_example(config)
-  assert per_sequence == flops.train_flops_per_sequence(config.model, config.data.seq_len, *_extra(config))
+  assert per_sequence == scaling.train_flops_per_sequence(config.model, config.data.seq_len, *_extra(config))
   for r in records(workdir)[1:]:
     sequences_per_sec = r["tokens_per_sec"] / objective.tokens_per_example(config)
     assert r["mfu"] == pytest.approx(sequences_per_sec * per_sequence / (PEAK_TFLOPS * 1e12), rel=1e-6)

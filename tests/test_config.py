@@ -7,10 +7,11 @@ import sys
 
 import pytest
 
-from lm_jax import config_lib, objectives
+from lm_jax import config_lib, models, objectives
 from conftest import REPO, flags
 
 VARIANTS = {"bert": ["base", "large", "base_512", "large_512", "tiny", "tiny_512"], "gpt1": ["gpt1", "tiny"],
+            "gpt2": ["small", "medium", "tiny"],
             "t5": ["small", "base", "large", "v1_1_small", "v1_1_base", "v1_1_large", "v1_1_xl", "v1_1_xxl", "tiny"]}
 
 
@@ -65,8 +66,8 @@ def test_wrong_type_names_the_field_and_its_type(overrides, message):
 
 
 def test_missing_file_and_unknown_variant_are_config_errors():
-  with pytest.raises(config_lib.ConfigError, match="config file 'configs/gpt2.py' not found"):
-    config_lib.load("configs/gpt2.py:tiny")
+  with pytest.raises(config_lib.ConfigError, match="config file 'configs/gpt3.py' not found"):
+    config_lib.load("configs/gpt3.py:tiny")
   with pytest.raises(config_lib.ConfigError, match="unknown variant 'huge'"):
     config_lib.load("configs/t5.py:huge")
 
@@ -76,7 +77,7 @@ def test_every_variant_loads_and_validates(file):
   for variant in VARIANTS[file]:
     config = config_lib.load(f"configs/{file}.py:{variant}", {"model.scan_layers": True})  # a fast eval_shape
     config_lib.validate(config, num_devices=8)
-    assert config.model.family in objectives.get(config.objective).families
+    assert models.family(config.model).layout in objectives.get(config.objective).layouts
 
 
 BAD_NUMBERS = [  # (field, value, message fragment)
@@ -98,7 +99,7 @@ BAD_NUMBERS = [  # (field, value, message fragment)
     ("data.target_len", -1, "config.data.target_len must be >= 0"),
     ("model.initializer_range", 0.0, "config.model.initializer_range must be > 0"),
     ("model.eos_token_id", 2048, "config.model.eos_token_id=2048 must be in [0, model.vocab_size=2048)"),
-    ("loss_z", math.inf, "config.loss_z must be finite"),
+    ("z_loss", math.inf, "config.z_loss must be finite"),
     ("label_smoothing", math.nan, "config.label_smoothing must be in [0, 1), got nan"),
     ("model.dropout_rate", math.nan, "model.dropout_rate must be in [0, 1), got nan"),
 ]

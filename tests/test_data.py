@@ -8,7 +8,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from lm_jax import config_lib, objectives
-from lm_jax.data import nsp, packing, pipeline, sources, tokenizer
+from lm_jax.data import nsp, packing, pipeline, records, sources, tfds_prepare, tokenizer
 
 CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
 
@@ -100,7 +100,7 @@ def test_missing_empty_and_unsupported_sources_are_named(tmp_path, toks):
   with pytest.raises(ValueError, match="x.csv: unsupported type"):
     sources.documents(_config("clm", tmp_path / "x.csv"), "train")
   with pytest.raises(ValueError, match="bad split"):
-    sources.split_spec("train[:5%")
+    records.split_spec("train[:5%")
 
 
 def test_split_placeholder_and_slices(tmp_path):
@@ -117,7 +117,7 @@ def test_split_placeholder_and_slices(tmp_path):
 def test_tfds_tiny_shakespeare_offline_through_the_trainer_path(shared_data, tmp_path, text, toks):
   """Build the catalog tiny_shakespeare (array_record, no TensorFlow) from the local input.txt, then read it
   with the same calls the trainer makes."""
-  sources.prepare_tfds("tiny_shakespeare", str(tmp_path), manual_dir=str(shared_data / "tiny_shakespeare"))
+  tfds_prepare.prepare_tfds("tiny_shakespeare", str(tmp_path), manual_dir=str(shared_data / "tiny_shakespeare"))
   c = config_lib.load("configs/gpt1.py:tiny")
   c.data.tfds_data_dir = str(tmp_path)
   c.data.seq_len, c.batch_size, c.model.vocab_size = 64, 8, 320
@@ -148,13 +148,13 @@ class ToyDocs(tfds.core.GeneratorBasedBuilder):
 
 
 def test_tfds_random_access_records_built_on_first_use(tmp_path, toks, monkeypatch):
-  monkeypatch.setattr(sources, "_FEW_RECORDS", 10)       # 40 records count as many: read one by one
+  monkeypatch.setattr(records, "_FEW_RECORDS", 10)       # 40 records count as many: read one by one
   c = _config("clm", "", tfds_name="toy_docs", tfds_data_dir=str(tmp_path), shuffle=False)
   docs = sources.documents(c, "train")                     # not prepared yet: built as array_record now
-  assert isinstance(docs, sources.TfdsRecords) and len(docs) == 40
+  assert isinstance(docs, records.TfdsRecords) and len(docs) == 40
   assert len(sources.documents(c, "train[:25%]")) == 10
   texts = [docs[i] for i in range(40)]
-  assert texts.count(sources.Bad("undecodable")) == 1 and "Document number 3. It has a second sentence." in texts
+  assert texts.count(records.Bad("undecodable")) == 1 and "Document number 3. It has a second sentence." in texts
   it = _train_it(c, toks["clm"], prefetch=0)
   next(it)
   assert it.stats["undecodable"] == 1 and it.stats["documents"] == 40
@@ -165,10 +165,10 @@ def test_tfds_random_access_records_built_on_first_use(tmp_path, toks, monkeypat
     sources.documents(c, "validation")
 
 
-@pytest.mark.skipif(sources._have_tensorflow(), reason="TensorFlow is installed")
+@pytest.mark.skipif(tfds_prepare.have_tensorflow(), reason="TensorFlow is installed")
 def test_tfrecord_without_tensorflow_says_so():
   with pytest.raises(ImportError, match="prepared as tfrecord, which needs TensorFlow"):
-    sources._tfdata_records(types.SimpleNamespace(data_dir="/data/x"), "train", "x")
+    tfds_prepare.tfdata_records(types.SimpleNamespace(data_dir="/data/x"), "train", "x")
 
 
 # ---------------------------------------------------------------------------------------------- batches

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO
 from lm_jax import decoding, defaults, models
+from lm_jax import hf as hf_lib
 from lm_jax.hf import export
 
 torch = pytest.importorskip("torch")
@@ -28,7 +29,6 @@ PROMPTS = [[5, 17, 33, 2, 60, 71, 9], [44, 3], [12, 90, 8, 27], [81]]   # GPT pr
 _RNG = np.random.default_rng(0)   # score pairs: random token ids, one bucket of lengths
 CONTEXTS = [_RNG.integers(2, VOCAB, n).tolist() for n in (1, 12, 3, 11, 2)]
 CONTINUATIONS = [_RNG.integers(2, VOCAB, n).tolist() for n in (4, 1, 13, 2, 7)]
-HF_CLASSES = {"gpt": "OpenAIGPTLMHeadModel", "t5": "T5ForConditionalGeneration"}
 
 
 def tiny(family, **fields):
@@ -51,7 +51,8 @@ def exported(family, path):
   m = tiny(family)
   p = random_params(m)
   export.save_hf(m, p, path)
-  hf = getattr(transformers, HF_CLASSES[family]).from_pretrained(path, dtype=torch.float32).eval()
+  cls = getattr(transformers, hf_lib.family_module(family).ARCHITECTURE)
+  hf = cls.from_pretrained(path, dtype=torch.float32).eval()
   return m, p, hf
 
 

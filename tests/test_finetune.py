@@ -13,7 +13,7 @@ import pytest
 
 from lm_jax import (config_lib, defaults, evaluate, finetune, init_from, metrics_log, models, objectives, optim,
                     predict, train)
-from lm_jax.data import pipeline, sources, tasks, tokenizer as tokenizer_lib
+from lm_jax.data import pipeline, records, tasks, tfds_prepare, tokenizer as tokenizer_lib
 from lm_jax.hf import export
 from lm_jax.objectives import classify
 from conftest import load_config
@@ -78,17 +78,17 @@ def test_task_records_from_files(tmp_path):
   pairs = tasks.records(task_config(files=str(tmp_path / "{split}.tsv"), text_fields=("sentence1", "sentence2"),
                                     label_names=("entailment", "neutral"), num_labels=2), "pairs")
   assert list(pairs[:2]) == [tasks.Record(("a cat", "a dog"), 1), tasks.Record(("x", "y"), 0)]
-  assert pairs[2] == pairs[3] == sources.Bad("malformed") and pairs[4].texts == ("p", "")   # empty: skipped later
+  assert pairs[2] == pairs[3] == records.Bad("malformed") and pairs[4].texts == ("p", "")   # empty: skipped later
   (tmp_path / "sts.jsonl").write_text('{"s1": "a", "s2": "b", "score": 3.8}\n{"s1": "c", "s2": "d"}\nnot json\n')
   sts = tasks.records(task_config(files=str(tmp_path / "{split}.jsonl"), text_fields=("s1", "s2"),
                                   label_field="score", num_labels=1), "sts")
-  assert list(sts) == [tasks.Record(("a", "b"), 3.8), tasks.Record(("c", "d"), None), sources.Bad("malformed")]
+  assert list(sts) == [tasks.Record(("a", "b"), 3.8), tasks.Record(("c", "d"), None), records.Bad("malformed")]
   (tmp_path / "plain.tsv").write_text("good film\t1\nbad film\t0\nodd\t7\n")
   plain = tasks.records(task_config(files=str(tmp_path / "{split}.tsv"), text_fields=("0",), label_field="1"),
                         "plain[:2]")
   assert list(plain) == [tasks.Record(("good film",), 1), tasks.Record(("bad film",), 0)]
   assert tasks.records(task_config(files=str(tmp_path / "{split}.tsv"), text_fields=("0",), label_field="1"),
-                       "plain")[2] == sources.Bad("malformed")   # class 7 of 2
+                       "plain")[2] == records.Bad("malformed")   # class 7 of 2
   with pytest.raises(ValueError, match="has no header row naming them"):
     tasks.records(task_config(files=str(tmp_path / "{split}.tsv"), text_fields=("sentence",)), "plain")
 
@@ -100,7 +100,7 @@ def test_task_records_from_tfds(monkeypatch):
   info = types.SimpleNamespace(splits=dict.fromkeys(data), features={"sentence1": 0, "sentence2": 0, "label": 0},
                                available_file_formats=lambda: [types.SimpleNamespace(value="array_record")])
   builder = types.SimpleNamespace(data_dir="/tfds", info=info, as_data_source=lambda split: data[split])
-  monkeypatch.setattr(sources, "prepare_tfds", lambda name, data_dir: builder)
+  monkeypatch.setattr(tfds_prepare, "prepare_tfds", lambda name, data_dir: builder)
   c = task_config(tfds_name="glue/mnli", text_fields=("sentence1", "sentence2"), num_labels=3)
   assert tasks.records(c, "train")[0] == tasks.Record(("a", "bé"), 2)
   assert tasks.records(c, "test")[0] == tasks.Record(("a", "b"), None)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lm_jax import checkpoint, config_lib, defaults, init_from, metrics_log, models, objectives, optim, step, train
-from lm_jax.data import tasks, tokenizer as tokenizer_lib
+from lm_jax.data import records, tasks, tokenizer as tokenizer_lib
 from lm_jax.objectives import gpt_classify
 
 V = 40                      # the "pre-trained" vocabulary; the specials are 40, 41, 42
@@ -127,7 +127,7 @@ def test_multiple_choice_records_and_config_errors(tmp_path):
   config = config_of("multiple_choice", 1, choice_fields=("a", "b", "c"), text_fields=("story",))
   config.task.files = str(tmp_path / "{split}.jsonl")
   found = tasks.records(config, "mc")
-  assert found[0] == tasks.Record(("s", "x", "y", "z"), 2) and isinstance(found[1], tasks.sources.Bad)  # answer 3 of 3
+  assert found[0] == tasks.Record(("s", "x", "y", "z"), 2) and isinstance(found[1], records.Bad)  # answer 3 of 3
   objectives.check(config)
 
   def error(**fields):

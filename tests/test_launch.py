@@ -211,11 +211,10 @@ def test_slurm_local_device_ids(monkeypatch, ntasks, nodes, gpus, expected):
   assert distributed._slurm_local_device_ids() == expected
 
 
-def test_single_process_is_a_no_op_and_main():
+def test_single_process_is_a_no_op():
   if distributed.launcher():
     pytest.skip(f"running under a {distributed.launcher()} launch")
   assert distributed.maybe_initialize() == ""
-  assert distributed.is_main_process()
 
 
 # --- lm_jax.memory --------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def _copy_loss(config, params, batch, den, *, rng=None, train=False):
 
 
 COPY = objectives.Objective(
-    name="copy_token", families=("gpt",), check=lambda config: None,
+    name="copy_token", layouts=("decoder",), check=lambda config: None,
     lengths=lambda config: objectives.Lengths(inputs=config.data.seq_len, targets=0, scored=config.data.seq_len),
     rows=_copy_rows, transform=_copy_transform,
     features=lambda config: {"input_ids": ((config.data.seq_len,), np.int32),

@@ -170,7 +170,7 @@ def test_microbatches_add_up_to_the_full_batch(name, monkeypatch):
   monkeypatch.setattr(models, "apply", _fake_apply, raising=False)
   family, make = CASES[name]
   config = _config(name, family, nsp=name == "mlm")
-  config.loss_z, config.label_smoothing = 1e-3, 0.1
+  config.z_loss, config.label_smoothing = 1e-3, 0.1
   objective = objectives.get(name)
   batch = jax.tree.map(jnp.asarray, make(config, 8, np.random.default_rng(0)))
   params = _fake_params(config.model.vocab_size, jax.random.key(0))
@@ -184,7 +184,7 @@ def test_microbatches_add_up_to_the_full_batch(name, monkeypatch):
   assert full_loss == full["loss"] and np.isfinite(full_loss)
   # The options reach the loss: without z-loss and smoothing the loss is the plain token NLL (+ NSP).
   plain_config = config.copy_and_resolve_references()
-  plain_config.loss_z, plain_config.label_smoothing = 0.0, 0.0
+  plain_config.z_loss, plain_config.label_smoothing = 0.0, 0.0
   plain = objective.loss(plain_config, params, batch, den, rng=None, train=False)[1]
   np.testing.assert_allclose(plain["token_loss"], full["token_loss"], rtol=1e-6)
   assert plain["loss"] < full["loss"]
@@ -223,8 +223,8 @@ def test_clm_never_scores_padding(monkeypatch):
 # ---------------------------------------------------------------- registry and config checks
 
 def test_registry():
-  assert {n: objectives.get(n).families for n in ("mlm", "clm", "span_corruption")} == {
-      "mlm": ("bert",), "clm": ("gpt",), "span_corruption": ("t5",)}
+  assert {n: objectives.get(n).layouts for n in ("mlm", "clm", "span_corruption")} == {
+      "mlm": ("encoder",), "clm": ("decoder",), "span_corruption": ("encoder_decoder",)}
   known = "classify, clm, dpo, gpt_classify, mlm, ppo, reward, sft, span_corruption, text_to_text"
   with pytest.raises(ValueError, match=f"config.objective='prefix_lm' is unknown; known: {known}$"):
     objectives.get("prefix_lm")

@@ -163,12 +163,12 @@ def test_prompts_are_formatted_by_the_sft_template(overrides, tmp_path):
   tok = tokenizer.load(overrides["data.tokenizer"], "gpt")
   examples = instructions.examples(config, "train", tok, "instruction")
   sft = [e.prompt.tolist() for e in examples.tokens(list(range(len(examples))))]
-  assert ppo.read_prompts(config, tok) == [ids[-config.ppo.prompt_len:] for ids in sft]
+  assert instructions.prompts(config, tok) == [ids[-config.ppo.prompt_len:] for ids in sft]
   assert tok.encode("Human: Citizen")[-1] != sft[1][-1]   # the template's end is in the prompt
   with config.unlocked():
     config.rlhf.template = "Human: <prompt>"
   with pytest.raises(ValueError, match="config.rlhf.template must contain '{prompt}'"):
-    ppo.read_prompts(config, tok)
+    instructions.prompts(config, tok)
 
 
 def _bench_judge():

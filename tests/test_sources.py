@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from lm_jax import config_lib
-from lm_jax.data import sources, tokenizer
+from lm_jax.data import records as records_lib, sources, tokenizer
 
 
 def _config(path, vocab=320):
@@ -23,8 +23,8 @@ def test_invalid_utf8_is_replaced_kept_counted_and_warned(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     docs = sources.documents(_config(tmp_path / "*"), "train")
   assert [docs[i] for i in range(len(docs))] == [
-      "good doc", "caf\ufffd au lait \ufffd", sources.Bad("undecodable"), "last doc",   # 3 of 3 bytes bad
-      "na\ufffdve", "fine", sources.Bad("malformed"), "r\ufffdsum\ufffd"]
+      "good doc", "caf\ufffd au lait \ufffd", records_lib.Bad("undecodable"), "last doc",   # 3 of 3 bytes bad
+      "na\ufffdve", "fine", records_lib.Bad("malformed"), "r\ufffdsum\ufffd"]
   assert docs.decode_stats == dict(replaced_documents=3, replaced_bytes=5)
   warned = [r.getMessage() for r in caplog.records if "invalid UTF-8" in r.getMessage()]
   assert len(warned) == 3 and warned[0].endswith("a.txt: invalid UTF-8 in 1 documents, kept with 2 bytes replaced "
@@ -39,7 +39,7 @@ def test_invalid_utf8_is_replaced_kept_counted_and_warned(tmp_path, caplog):
 
 
 def test_lazy_tfds_records_count_replacements_once_per_document(caplog):
-  records = sources.TfdsRecords([{"text": b"caf\xe9"}, {"text": b"ok"}, {"text": b"\xe9t\xe9 ok"}], "text", "toy")
+  records = records_lib.TfdsRecords([{"text": b"caf\xe9"}, {"text": b"ok"}, {"text": b"\xe9t\xe9 ok"}], "text", "toy")
   with caplog.at_level(logging.WARNING):
     texts = [records[i] for i in (0, 1, 0, 2)]
   assert texts == ["caf\ufffd", "ok", "caf\ufffd", "\ufffdt\ufffd ok"]

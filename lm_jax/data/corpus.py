@@ -1,11 +1,12 @@
 """Tokenized documents of one split, encoded in batches and cached in memory up to a token budget.
 
-Bad records (sources.Bad), empty documents and documents of fewer than MIN_TOKENS tokens are counted in
-`stats` and stored as empty, so the rows built on top skip them and a warning can report them.
+Bad records (records.Bad), empty documents and documents of fewer than MIN_TOKENS tokens are counted in
+`tally` (by reason, with where the first ones are) and stored as empty, so the rows built on top skip them and a
+warning can report them.
 """
 import numpy as np
 
-from lm_jax.data import nsp, sources
+from lm_jax.data import nsp, records
 
 DOCS_PER_CALL = 32            # documents tokenized per batched encode call
 _CACHE_TOKENS = 50_000_000    # tokenized documents kept in memory (small corpora are tokenized once)
@@ -23,8 +24,12 @@ class Corpus:
     self.docs, self.path = docs, docs.path
     self._tok, self._as_sentences = tokenizer, as_sentences
     self._cache, self._cached, self._recent = {}, 0, {}
-    self.stats = dict(documents=0, empty=0, undecodable=0, malformed=0, too_short=0)
+    self.tally = records.Tally(docs, ("empty", "undecodable", "malformed", "too_short"))
     self.bytes = self.chars = self.tokens_count = 0
+
+  @property
+  def stats(self) -> dict:
+    return self.tally.counts
 
   def __len__(self):
     return len(self.docs)
@@ -40,9 +45,9 @@ class Corpus:
     texts, good = [], []
     for i in ids:
       text = self.docs[i]
-      reason = text.reason if isinstance(text, sources.Bad) else ("empty" if not text.strip() else None)
-      if reason:
-        self._store(i, [] if self._as_sentences else np.zeros(0, np.int32), reason)
+      bad = text if isinstance(text, records.Bad) else (records.Bad("empty") if not text.strip() else None)
+      if bad:
+        self._store(i, [] if self._as_sentences else np.zeros(0, np.int32), bad)
       else:
         good.append(i)
         texts.append(nsp.sentences(text) if self._as_sentences else text)
@@ -54,22 +59,20 @@ class Corpus:
         k += len(t)
         n = sum(map(len, segs))
         self._count(t, n)
-        self._store(i, segs if n >= MIN_TOKENS else [], None if n >= MIN_TOKENS else "too_short")
+        self._store(i, segs if n >= MIN_TOKENS else [], None if n >= MIN_TOKENS else _too_short(n))
     else:
       for i, t, ids_ in zip(good, texts, self._tok.encode_batch(texts)):
         self._count([t], len(ids_))
         ok = len(ids_) >= MIN_TOKENS
-        self._store(i, np.asarray(ids_ if ok else [], np.int32), None if ok else "too_short")
+        self._store(i, np.asarray(ids_ if ok else [], np.int32), None if ok else _too_short(len(ids_)))
 
   def _count(self, texts, n):
     self.bytes += sum(len(t.encode("utf-8")) for t in texts)
     self.chars += sum(map(len, texts))
     self.tokens_count += n
 
-  def _store(self, i, value, reason):
-    self.stats["documents"] += 1
-    if reason:
-      self.stats[reason] += 1
+  def _store(self, i, value, bad):
+    self.tally.count(i, bad and bad.reason, bad and bad.detail)
     size = sum(map(len, value)) if self._as_sentences else len(value)
     if self._cached + size <= _CACHE_TOKENS:
       self._cache[i] = value
@@ -78,3 +81,7 @@ class Corpus:
       self._recent[i] = value
       if len(self._recent) > 8 * DOCS_PER_CALL:
         del self._recent[next(iter(self._recent))]
+
+
+def _too_short(n: int) -> records.Bad:
+  return records.Bad("too_short", f"{n} tokens")

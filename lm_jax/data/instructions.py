@@ -1,26 +1,26 @@
 """Instruction and preference data for supervised fine-tuning, reward models and DPO (config.rlhf).
 
-config.rlhf.files is a glob of .jsonl in which `{split}` becomes the split name (e.g. /data/toy/sft_{split}.jsonl),
-one JSON object per line:
+config.rlhf.files is a glob of .jsonl (or .tsv with a header row naming the fields) in which `{split}` becomes the
+split name (e.g. /data/toy/sft_{split}.jsonl), one JSON object per line:
   instruction  {"prompt": ..., "response": ...}
   preference   {"prompt": ..., "chosen": ..., "rejected": ...}   (the chosen response is the preferred one)
 The field names are config.rlhf.prompt_field / response_field / chosen_field / rejected_field; other fields are
 ignored (the toy files carry a "text" field to train a tokenizer from scratch with data.text_field="text"). A chat
 template config.rlhf.template wraps every prompt: "{prompt}" in it becomes the prompt's text. Splits take slice
 syntax (train[:90%]). A record that cannot be used (not JSON, a field missing or not a string, an empty prompt or
-response) is counted and skipped, like a bad document.
+response) is counted and skipped, like a bad document, and reported with its file and line (data/records.py). PPO's
+prompts (config.ppo.prompts, `prompts`) come through the same reader and the same template.
 
 Each text is tokenized on its own; every response ends with the tokenizer's eos, so a model learns to stop. A
 sequence that does not fit keeps the end of its prompt and the start of its response (`fit`).
 """
 import dataclasses
-import glob
-import json
-import os
 
 import numpy as np
+from absl import logging
 
-from lm_jax.data import rows, sources, tasks
+from lm_jax.data import records as records_lib
+from lm_jax.data import rows, tasks
 
 KINDS = {"instruction": ("response_field",), "preference": ("chosen_field", "rejected_field")}
 
@@ -77,41 +77,40 @@ def sequence(example_prompt: np.ndarray, response: np.ndarray, budget: int) -> t
   return np.concatenate([example_prompt[len(example_prompt) - p:], response[:r]]).astype(np.int32), p
 
 
-class _InMemory(list):
-  def __init__(self, items, path: str, replaced: int):
-    super().__init__(items)
-    self.path, self.decode_stats = path, {"replaced_characters": replaced}
-
-
-def records(config, split: str, kind: str) -> list:
-  """The records of `split` ('instruction' or 'preference' kind): Record, or sources.Bad for an unusable line; .path."""
+def records(config, split: str, kind: str) -> records_lib.Records:
+  """The records of `split` ('instruction' or 'preference' kind): Record, or records_lib.Bad for an unusable one."""
   r = config.rlhf
   fields = (r.prompt_field, *(r[f] for f in KINDS[kind]))
-  name, spec = sources.split_spec(split)
-  pattern = os.path.expanduser(r.files.replace("{split}", name))
-  paths = sorted(glob.glob(pattern, recursive=True))
-  if not paths:
-    raise FileNotFoundError(f"config.rlhf.files: no files match {pattern}")
-  out, replaced = [], 0
-  for path in paths:
-    if not path.endswith(".jsonl"):
-      raise ValueError(f"config.rlhf.files: {path}: unsupported type; use .jsonl")
-    with open(path, "rb") as f:
-      data = f.read()
-    text = data.decode("utf-8", "replace")
-    replaced += text.count("\ufffd") - data.count("\ufffd".encode())
-    out += [_record(line, fields) for line in text.split("\n") if line.strip()]
+  found = records_lib.read(split, fields, files=r.files, origin="config.rlhf.files",
+                           named_by=f"config.rlhf.prompt_field / {' / '.join(KINDS[kind])}")
+  return found.map(lambda rec: Record(rec[fields[0]], tuple(rec[f] for f in fields[1:])))
+
+
+def prompts(config, tokenizer) -> list[list[int]]:
+  """The token ids of every prompt in config.ppo.prompts (.txt: a prompt per non-empty line; .jsonl / .tsv: the field
+  config.ppo.prompt_field; a {split} in the glob becomes 'train') in config.rlhf.template, as SFT formats its prompts,
+  each cut to its last config.ppo.prompt_len tokens. Unusable prompts are skipped and reported in one warning line;
+  none left is an error."""
+  p = config.ppo
+  check_template(config)
+  found = records_lib.read("train", p.prompt_field, files=p.prompts, origin="config.ppo.prompts",
+                           named_by="config.ppo.prompt_field")
+  tally, good = records_lib.Tally(found, ("empty",)), []
+  for i, text in enumerate(found):
+    if isinstance(text, records_lib.Bad):
+      tally.count(i, text.reason, text.detail)
+    else:
+      good.append(i)
+  out = []
+  for i, ids in zip(good, tokenizer.encode_batch([prompt_text(config, found[i]) for i in good]) if good else []):
+    tally.count(i, None if ids else "empty", "no tokens")
+    if ids:
+      out.append(ids[-p.prompt_len:])
   if not out:
-    raise ValueError(f"config.rlhf.files: no records in {pattern}")
-  return _InMemory(sources._apply_slice(out, spec), f"{pattern} ({split})", replaced)
-
-
-def _record(line: str, fields: tuple):
-  try:
-    texts = [json.loads(line)[f] for f in fields]
-  except (ValueError, KeyError, TypeError):
-    return sources.Bad("malformed")
-  return Record(texts[0], tuple(texts[1:])) if all(isinstance(t, str) for t in texts) else sources.Bad("malformed")
+    raise ValueError(f"config.ppo.prompts={p.prompts!r}: no usable prompt; {tally.report()}")
+  if tally.report():
+    logging.warning("data: %s", tally.report())
+  return out
 
 
 class Examples(tasks.TokenizedSplit):
@@ -122,29 +121,18 @@ class Examples(tasks.TokenizedSplit):
     self._config = config
 
   def _tokenize(self, ids):
-    good = []
-    for i in ids:
-      rec = self.docs[i]
-      self.stats["documents"] += 1
-      reason = rec.reason if isinstance(rec, sources.Bad) else (
-          None if rec.prompt.strip() and all(t.strip() for t in rec.responses) else "empty")
-      if reason:
-        self.stats[reason] += 1
-        self._cache[i] = None
-      else:
-        good.append((i, (prompt_text(self._config, rec.prompt), *rec.responses)))
+    good = self._usable(ids, lambda rec: (rec.prompt, *rec.responses))
+    good = [(i, (prompt_text(self._config, rec.prompt), *rec.responses)) for i, rec in good]
     flat = self._tok.encode_batch([t for _, texts in good for t in texts]) if good else []
     k, eos = 0, self._tok.eos_id
     for i, texts in good:
       pieces = flat[k:k + len(texts)]
       k += len(texts)
-      self.bytes += sum(len(t.encode("utf-8")) for t in texts)
-      self.chars += sum(map(len, texts))
-      self.tokens_count += sum(map(len, pieces))
+      self._measure(texts, pieces)
       if not all(pieces):
-        self.stats["empty"] += 1
-        self._cache[i] = None
+        self._skip(i, records_lib.Bad("empty", "a text of no tokens"))
         continue
+      self.tally.count(i)
       responses = tuple(np.asarray([*p, eos], np.int32) for p in pieces[1:])
       self._cache[i] = Example(np.asarray(pieces[0], np.int32), responses, i)
 

@@ -93,7 +93,7 @@ class ShardStream:
       empty_epochs += 1
       if empty_epochs > 1 or (s["cursor"] == [0, 0] and s["window"] == 0):
         raise ValueError(f"no usable documents in {r.corpus.path} for data shard {self.shard} "
-                         f"(skipped: {r.corpus.stats})")
+                         f"(skipped: {r.corpus.stats}); first: {'; '.join(r.corpus.tally.first)}")
       self._next_epoch()
     if self._shuffle:
       rows = _take(rows, np.random.default_rng([self._seed, self.shard, s["epoch"], s["window"]]).permutation(n))
@@ -101,10 +101,10 @@ class ShardStream:
 
   def _next_epoch(self):
     s, r = self.state, self.rows
-    stats = dict(r.corpus.stats, dropped_tokens=r.dropped_tokens)
-    if stats != self._logged and any(v for k, v in stats.items() if k not in ("documents", "dropped_tokens")):
-      logging.warning("data: epoch %d of %s (shard %d) done; skipped %s", s["epoch"], r.corpus.path, self.shard,
-                      stats)
+    stats, report = dict(r.corpus.stats, dropped_tokens=r.dropped_tokens), r.corpus.tally.report()
+    if stats != self._logged and report:
+      logging.warning("data: epoch %d (shard %d) done: %s; %d tokens dropped at epoch ends", s["epoch"], self.shard,
+                      report, r.dropped_tokens)
       self._logged = stats
     s["epoch"], s["window"], s["cursor"], s["row"] = s["epoch"] + 1, 0, [0, 0], 0
 
@@ -239,7 +239,8 @@ class EvalBatches:
 
 
 def _corpus(config, split: str, layout, tokenizer):
-  """The tokenized split: the layout's own corpus (task examples) or config.data's documents."""
+  """The tokenized split: the layout's own corpus (task examples) or config.data's documents; both count what they
+  skip in a records.Tally (.tally, .stats)."""
   if getattr(layout, "corpus", None):
     return layout.corpus(split)
   docs = sources.documents(config, split)
@@ -299,7 +300,10 @@ def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,
                     corpus.path, _num_rows(rows) % config.batch_size, config.batch_size)
   if n_batches == 0:
     raise ValueError(f"{corpus.path} is too small for one eval batch of {config.batch_size} rows "
-                     f"({_num_rows(rows)} rows of data.seq_len={config.data.seq_len})")
+                     f"({_num_rows(rows)} rows of data.seq_len={config.data.seq_len})"
+                     + (f"; {corpus.tally.report()}" if corpus.tally.report() else ""))
+  if corpus.tally.report():
+    logging.warning("data: eval: %s", corpus.tally.report())
   transform = objective.transform(config, tokenizer)
   batches = []
   for b in range(n_batches):

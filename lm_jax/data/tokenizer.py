@@ -1,9 +1,9 @@
 """Tokenizers: SentencePiece (trained here or loaded) and Hugging Face (`tokenizers`) behind one interface.
 
-Special ids per family (what the objectives need):
-  bert: [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4
-  gpt:  <pad>=0 </s>=1 (eos, appended to every document) <unk>=2
-  t5:   <pad>=0 </s>=1 <unk>=2, and 100 sentinels <extra_id_k> above the SentencePiece pieces:
+Special ids per family (what the objectives need; each family's `Tokens` record, lm_jax/models/registry.py):
+  bert:      [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4
+  gpt, gpt2: <pad>=0 </s>=1 (eos, appended to every document) <unk>=2
+  t5:        <pad>=0 </s>=1 <unk>=2, and 100 sentinels <extra_id_k> above the SentencePiece pieces:
         sentinel_id(k) = sp_size + 100 - 1 - k (the seqio / HF T5Tokenizer rule, so <extra_id_0> of the
         released T5 vocab is 32099). A trained T5 tokenizer gets sp_size = model vocab - 100, which puts the
         sentinels at the very top of the model vocab (id = vocab_size - 1 - k).
@@ -16,15 +16,11 @@ import pathlib
 import numpy as np
 from etils import epath
 
+from lm_jax import models as model_lib
+
 NUM_SENTINELS = 100
 _TRAIN_CHARS = 3_000_000      # training text sample: SentencePiece's training time grows with it (bench/README.md)
 _MAX_SENTENCE_BYTES = 4192    # SentencePiece's max_sentence_length: its trainer skips longer sentences
-_SPM_SPECIALS = {
-    "bert": dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
-                 control_symbols=["[CLS]", "[SEP]", "[MASK]"]),
-    "gpt": dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1),
-    "t5": dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1),
-}
 _NAMES = {  # special role -> piece names used by SentencePiece models and HF tokenizers
     "pad_id": ("[PAD]", "<pad>", "<|pad|>"), "unk_id": ("[UNK]", "<unk>", "<|unk|>"),
     "cls_id": ("[CLS]", "<cls>"), "sep_id": ("[SEP]", "<sep>"), "mask_id": ("[MASK]", "<mask>"),
@@ -103,7 +99,7 @@ def _sentencepiece(proto: bytes, family: str) -> Tokenizer:
     specials["pad_id"] = sp.pad_id()
   if sp.eos_id() >= 0:
     specials["eos_id"] = sp.eos_id()
-  sentinels = len(pieces) + NUM_SENTINELS - 1 if family == "t5" else None
+  sentinels = len(pieces) + NUM_SENTINELS - 1 if model_lib.family(family).tokens.sentinels else None
   _check_family(specials, family, "SentencePiece model")
   return Tokenizer(pieces=pieces, encode_batch=lambda t: sp.encode(t, num_threads=min(len(t) // 16 + 1, os.cpu_count() or 1)),
                    decode=sp.decode, specials=specials, word_start=lambda p: p.startswith("▁"),
@@ -140,9 +136,10 @@ def _huggingface(path: pathlib.Path, family: str) -> Tokenizer:
     word_start = lambda p: p.startswith("Ġ")
   else:
     word_start = lambda p: p.startswith("▁")
-  sentinels = vocab.get("<extra_id_0>") if family == "t5" else None
-  if family == "t5" and sentinels is None:
-    raise ValueError(f"tokenizer {path}: a T5 tokenizer needs <extra_id_0..99> tokens")
+  needs_sentinels = model_lib.family(family).tokens.sentinels
+  sentinels = vocab.get("<extra_id_0>") if needs_sentinels else None
+  if needs_sentinels and sentinels is None:
+    raise ValueError(f"tokenizer {path}: a {family} tokenizer needs <extra_id_0..99> tokens")
   _check_family(specials, family, str(path))
   encode = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
   return Tokenizer(pieces=pieces, encode_batch=encode, decode=tok.decode, specials=specials,
@@ -154,8 +151,7 @@ def _read_json(path: pathlib.Path) -> dict:
 
 
 def _check_family(specials, family, what):
-  need = {"bert": ("pad_id", "cls_id", "sep_id", "mask_id"), "gpt": ("eos_id",), "t5": ("pad_id", "eos_id")}
-  missing = [r[:-3] for r in need[family] if specials.get(r) is None]
+  missing = [r[:-3] for r in model_lib.family(family).tokens.required if specials.get(r) is None]
   if missing:
     raise ValueError(f"{what}: no {', '.join(missing)} token, which family {family!r} needs")
 
@@ -186,7 +182,7 @@ def train(lines, *, family: str, vocab_size: int, model_type: str = "unigram") -
       sentence_iterator=(s for line in lines for s in spm_sentences(line)), model_writer=out,
       vocab_size=vocab_size, model_type=model_type, max_sentence_length=_MAX_SENTENCE_BYTES,
       hard_vocab_limit=False,       # a small corpus may not support the requested size: take what it has
-      num_threads=2, minloglevel=2, **_SPM_SPECIALS[family])
+      num_threads=2, minloglevel=2, **model_lib.family(family).tokens.spm)
   return out.getvalue()
 
 
@@ -213,10 +209,11 @@ def spm_sentences(line: str, max_bytes: int = _MAX_SENTENCE_BYTES):
 
 def spm_vocab_size(family: str, model_vocab_size: int) -> int:
   """SentencePiece size to train so the tokenizer fills the model vocab (T5 keeps 100 ids for sentinels)."""
-  size = model_vocab_size - (NUM_SENTINELS if family == "t5" else 0)
+  sentinels = NUM_SENTINELS if model_lib.family(family).tokens.sentinels else 0
+  size = model_vocab_size - sentinels
   if size < 16:
     raise ValueError(f"config.model.vocab_size={model_vocab_size} is too small for a {family} tokenizer"
-                     + (f" plus {NUM_SENTINELS} sentinels" if family == "t5" else ""))
+                     + (f" plus {sentinels} sentinels" if sentinels else ""))
   return size
 
 
@@ -239,9 +236,10 @@ def load_or_train(config, workdir: str) -> Tokenizer:
       tmp.write_bytes(proto)
       tmp.replace(path)
     tok = _sentencepiece(path.read_bytes(), family)
-  need = tok.vocab_size + (NUM_SENTINELS if family == "t5" else 0)
+  sentinels = NUM_SENTINELS if model_lib.family(family).tokens.sentinels else 0
+  need = tok.vocab_size + sentinels
   if vocab < need:
-    extra = f" + {NUM_SENTINELS} sentinels" if family == "t5" else ""
+    extra = f" + {sentinels} sentinels" if sentinels else ""
     raise ValueError(f"config.model.vocab_size={vocab} is smaller than the tokenizer's {tok.vocab_size} "
                      f"tokens{extra} = {need}")
   return tok

@@ -11,6 +11,9 @@ from lm_jax import defaults
 from lm_jax.hf import convert
 from lm_jax.models import bert, layers
 
+FAMILY, MODEL_TYPE, ARCHITECTURE = "bert", "bert", "BertForPreTraining"
+FAN_IN_FAN_OUT = False   # nn.Linear weights are (out, in)
+BASE_PREFIX = "bert."    # HF module path of the base model's layers in the heads' models, relative to ours
 _RANDOM_IF_MISSING = ("pooler", *bert.HEADS)   # absent from encoder-only checkpoints
 
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}

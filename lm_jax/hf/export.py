@@ -2,11 +2,11 @@
 tokenizer its files (lm_jax/hf/tokenizer.py) and generation_config.json, so that AutoTokenizer, pipeline(...)
 and lm-evaluation-harness take the directory as it is.
 
-save_hf writes the layout of BertForPreTraining (which BertForMaskedLM also loads), OpenAIGPTLMHeadModel or
-T5ForConditionalGeneration (scanned layers are unstacked, float32). load_hf reads safetensors only, never
-pickles; it also takes encoder-only BertModel checkpoints (missing pooler / MLM / NSP heads are initialised
-randomly with a warning, like transformers does). A missing, unreadable or unfitting file is a one-line error that names
-the file, and the tensor where one is at fault.
+save_hf writes the layout of the family's HF class (lm_jax/hf/<family>.py's ARCHITECTURE: BertForPreTraining, which
+BertForMaskedLM also loads, OpenAIGPTLMHeadModel, GPT2LMHeadModel, T5ForConditionalGeneration; scanned layers are
+unstacked, float32). load_hf reads safetensors only, never pickles; it also takes encoder-only BertModel checkpoints
+(missing pooler / MLM / NSP heads are initialised randomly with a warning, like transformers does). A missing,
+unreadable or unfitting file is a one-line error that names the file, and the tensor where one is at fault.
 """
 import glob
 import json
@@ -20,40 +20,38 @@ from lm_jax import hf, models
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import convert, tokenizer as hf_tokenizer
 
-MODEL_TYPES = {"bert": "bert", "openai-gpt": "gpt", "t5": "t5"}   # HF model_type -> family
-
 
 def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer | None = None) -> None:
-  """config.json, model.safetensors and, for GPT and T5, generation_config.json; with `tokenizer` (the run's)
-  also the tokenizer files, which give its ids."""
-  family = models.family_name(model_cfg)
-  mod = hf.family_module(family)
+  """config.json, model.safetensors and, for a model that generates, generation_config.json; with `tokenizer` (the
+  run's) also the tokenizer files, which give its ids."""
+  fam = models.family(model_cfg)
+  mod = hf.family_module(fam.name)
   config = mod.hf_config(model_cfg)
   tensors = mod.to_hf(model_cfg, params)
   if tokenizer is not None:   # first: a tokenizer that does not fit stops the export before any file is written
-    need = tokenizer.vocab_size + (tokenizer_lib.NUM_SENTINELS if family == "t5" else 0)
+    need = tokenizer.vocab_size + (tokenizer_lib.NUM_SENTINELS if fam.tokens.sentinels else 0)
     if need > model_cfg.vocab_size:
       raise ValueError(f"the tokenizer has {need} ids, more than the model's vocab_size={model_cfg.vocab_size}")
-    hf_tokenizer.save(tokenizer, family, out_dir,   # T5's relative positions have no length limit
-                      model_max_length=None if family == "t5" else model_cfg.max_positions)
+    hf_tokenizer.save(tokenizer, fam.name, out_dir,   # relative positions (T5) have no length limit
+                      model_max_length=model_cfg.max_positions if fam.learned_positions else None)
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
   save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-  if family != "bert":
+  if fam.layout != "encoder":
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-      json.dump(_generation_config(model_cfg, family, tokenizer), f, indent=2)
+      json.dump(_generation_config(model_cfg, fam.layout, tokenizer), f, indent=2)
 
 
-def _generation_config(model_cfg, family, tokenizer) -> dict:
-  """Ids generate() needs: a GPT's end of text is its tokenizer's (the eos lm_jax appends to every document). No
+def _generation_config(model_cfg, layout, tokenizer) -> dict:
+  """Ids generate() needs: a decoder's end of text is its tokenizer's (the eos lm_jax appends to every document). No
   max_length: generate() stops at the model's positions by itself, and a set one warns whenever max_new_tokens is
   passed."""
-  if family == "t5" or tokenizer is None:
+  if layout == "encoder_decoder" or tokenizer is None:
     out = {"eos_token_id": model_cfg.eos_token_id, "pad_token_id": model_cfg.pad_token_id}
   else:
     out = {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
-  if family == "t5":
+  if layout == "encoder_decoder":
     out["decoder_start_token_id"] = model_cfg.decoder_start_token_id
   return {k: v for k, v in out.items() if v is not None}
 
@@ -103,12 +101,12 @@ def _read_config(config_path: str):
     raise ValueError(f"{config_path}: not valid JSON ({e})") from None
   if not isinstance(fields, dict):
     raise ValueError(f"{config_path}: expected a JSON object, got {type(fields).__name__}")
-  family = MODEL_TYPES.get(fields.get("model_type"))
-  if family is None:
+  mod = hf.by_model_type(fields.get("model_type"))
+  if mod is None:
     raise ValueError(f"{config_path}: unsupported model_type {fields.get('model_type')!r}; known: "
-                     f"{', '.join(MODEL_TYPES)}")
+                     f"{', '.join(hf.model_types())}")
   try:
-    model_cfg = hf.family_module(family).config_from_hf(fields)
+    model_cfg = mod.config_from_hf(fields)
     models.validate(model_cfg)
   except KeyError as e:
     raise ValueError(f"{config_path}: no field {e.args[0]!r}") from None

@@ -12,7 +12,11 @@ _ACT_FROM_HF = {"gelu": "gelu_tanh", "relu": "relu"}
 _QKV = ("query", "key", "value")
 _FUSED = {"weight": ("kernel", "C1"), "bias": ("bias", "flat")}   # c_attn part: (our leaf, kind)
 
-_LAYER = [   # c_attn is fused in HF: split into the pseudo names attn.<query|key|value>.*
+FAMILY, MODEL_TYPE, ARCHITECTURE = "gpt", "openai-gpt", "OpenAIGPTLMHeadModel"
+FAN_IN_FAN_OUT = True   # Conv1D weights are (in, out): PEFT's fan_in_fan_out
+BASE_PREFIX = ""        # HF module path of the base model's layers, relative to ours
+
+LAYER = [   # c_attn is fused in HF: split into the pseudo names attn.<query|key|value>.*
     *[(f"attn.{n}.weight", ("attention", n, "kernel"), "C1") for n in _QKV],
     *[(f"attn.{n}.bias", ("attention", n, "bias"), "flat") for n in _QKV],
     ("attn.c_proj.weight", ("attention", "out", "kernel"), "C2"),
@@ -60,9 +64,9 @@ def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
   return m
 
 
-
-def to_hf(cfg, params: dict) -> dict:
-  out = convert.tree_to_hf(params, _TOP) | convert.stack_to_hf(params, cfg.num_layers, _LAYER, "transformer.h.{i}.")
+def layers_to_hf(cfg, params: dict) -> dict:
+  """The tensors of the layer stack under transformer.h.<i>., c_attn fused (GPT-1 and GPT-2 share them)."""
+  out = convert.stack_to_hf(params, cfg.num_layers, LAYER, "transformer.h.{i}.")
   for i in range(cfg.num_layers):
     for part in _FUSED:
       pieces = [out.pop(f"transformer.h.{i}.attn.{n}.{part}") for n in _QKV]
@@ -70,8 +74,8 @@ def to_hf(cfg, params: dict) -> dict:
   return out
 
 
-def from_hf(cfg, tensors: dict) -> dict:
-  shapes = convert.looped_shapes(cfg)
+def layers_from_hf(cfg, tensors: dict, shapes: dict) -> dict:
+  """Inverse of layers_to_hf: the layer stack's params (in cfg.scan_layers' layout) given the looped `shapes`."""
   tensors = dict(tensors)
   for i in range(cfg.num_layers):
     for part, (leaf, kind) in _FUSED.items():
@@ -80,12 +84,20 @@ def from_hf(cfg, tensors: dict) -> dict:
       fused = convert.checked_tensor(tensors, name, (*lead, 3 * width))
       for n, piece in zip(_QKV, np.split(fused, 3, axis=-1)):
         tensors[f"transformer.h.{i}.attn.{n}.{part}"] = piece
-  params = convert.tree_from_hf(tensors, _TOP, shapes)
-  params |= convert.stack_from_hf(tensors, _LAYER, shapes, cfg.num_layers, "transformer.h.{i}.", cfg.scan_layers)
+  return convert.stack_from_hf(tensors, LAYER, shapes, cfg.num_layers, "transformer.h.{i}.", cfg.scan_layers)
+
+
+def to_hf(cfg, params: dict) -> dict:
+  return convert.tree_to_hf(params, _TOP) | layers_to_hf(cfg, params)
+
+
+def from_hf(cfg, tensors: dict) -> dict:
+  shapes = convert.looped_shapes(cfg)
+  params = convert.tree_from_hf(tensors, _TOP, shapes) | layers_from_hf(cfg, tensors, shapes)
   return convert.as_params(cfg, params)
 
 
 def table(cfg) -> list:
   """(HF name, looped param path, kind) of every tensor, c_attn's thirds under their pseudo names attn.<query|...>."""
   return _TOP + [(f"transformer.h.{i}.{hf}", (f"layers_{i}", *path), kind)
-                 for i in range(cfg.num_layers) for hf, path, kind in _LAYER]
+                 for i in range(cfg.num_layers) for hf, path, kind in LAYER]

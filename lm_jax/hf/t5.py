@@ -7,6 +7,10 @@ from lm_jax.hf import convert
 from lm_jax.models import layers
 from lm_jax.models.t5 import num_decoder_layers
 
+FAMILY, MODEL_TYPE, ARCHITECTURE = "t5", "t5", "T5ForConditionalGeneration"
+FAN_IN_FAN_OUT = False   # nn.Linear weights are (out, in)
+BASE_PREFIX = ""         # HF module path of the base model's layers, relative to ours
+
 _ACT_TO_HF = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}
 _ACT_FROM_HF = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 _RELATIVE_BIAS = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"   # HF keeps it in layer 0

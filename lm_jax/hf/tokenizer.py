@@ -18,6 +18,7 @@ import os
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
+from lm_jax import models as model_lib
 from lm_jax.data import tokenizer as tokenizer_lib
 
 _ROLES = ("pad", "eos", "unk", "cls", "sep", "mask")
@@ -26,7 +27,7 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4    # SentencePiece Model
 
 def backend(tok: tokenizer_lib.Tokenizer, family: str) -> tokenizers.Tokenizer:
   """The `tokenizers` Tokenizer that gives `tok`'s ids; its post-processor adds the family's special tokens
-  ([CLS] x [SEP] for BERT, x </s> for T5, nothing for GPT) when asked to."""
+  (Tokens.template: [CLS] x [SEP] for BERT, x </s> for T5, nothing for GPT) when asked to."""
   if isinstance(tok.serialized, str):
     return tokenizers.Tokenizer.from_str(tok.serialized)
   return _from_sentencepiece(tok, family)
@@ -36,10 +37,12 @@ def save(tok: tokenizer_lib.Tokenizer, family: str, out_dir: str, model_max_leng
   """tokenizer.json, tokenizer_config.json and special_tokens_map.json of `tok` in out_dir."""
   backend_tok = backend(tok, family)
   specials = _special_tokens(tok, family, backend_tok)
-  # Only BERT takes token_type_ids (OpenAIGPTModel would add their word embeddings); GPT generates from the left.
-  inputs = ["input_ids", "token_type_ids", "attention_mask"] if family == "bert" else ["input_ids", "attention_mask"]
+  # Only a family that reads them gets token_type_ids (OpenAIGPTModel would add their word embeddings); a decoder
+  # generates from the left.
+  fam = model_lib.family(family)
+  inputs = ["input_ids", *(["token_type_ids"] if fam.tokens.token_types else []), "attention_mask"]
   config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **specials,
-            "model_input_names": inputs, "padding_side": "left" if family == "gpt" else "right"}
+            "model_input_names": inputs, "padding_side": "left" if fam.layout == "decoder" else "right"}
   if model_max_length:
     config["model_max_length"] = model_max_length
   os.makedirs(out_dir, exist_ok=True)
@@ -50,13 +53,13 @@ def save(tok: tokenizer_lib.Tokenizer, family: str, out_dir: str, model_max_leng
 
 
 def _special_tokens(tok: tokenizer_lib.Tokenizer, family: str, backend_tok: tokenizers.Tokenizer) -> dict:
-  """{'pad_token': '<pad>', ...} of the roles `tok` has, plus T5's sentinels as additional_special_tokens."""
+  """{'pad_token': '<pad>', ...} of the roles `tok` has, plus the sentinels (T5) as additional_special_tokens."""
   out = {}
   for role in _ROLES:
     i = getattr(tok, f"{role}_id")
     if i is not None:
       out[f"{role}_token"] = backend_tok.id_to_token(i)
-  if family == "t5":
+  if model_lib.family(family).tokens.sentinels:
     out["additional_special_tokens"] = [f"<extra_id_{k}>" for k in range(tokenizer_lib.NUM_SENTINELS)]
   return out
 
@@ -88,7 +91,8 @@ def _from_sentencepiece(tok: tokenizer_lib.Tokenizer, family: str) -> tokenizers
   out.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend, split=True)
   special = [p.piece for p in proto.pieces if p.type in (_UNKNOWN, _CONTROL)]
   # Sentinels follow the pieces, <extra_id_99> first: added tokens take the next ids in order.
-  special += [f"<extra_id_{k}>" for k in reversed(range(tokenizer_lib.NUM_SENTINELS))] if family == "t5" else []
+  if model_lib.family(family).tokens.sentinels:
+    special += [f"<extra_id_{k}>" for k in reversed(range(tokenizer_lib.NUM_SENTINELS))]
   out.add_special_tokens([tokenizers.AddedToken(s, special=True, normalized=False) for s in special])
   out.post_processor = _post_processor(tok, family, out)
   return out
@@ -107,13 +111,14 @@ def _bpe_merges(proto) -> list[tuple[str, str]]:
 
 
 def _post_processor(tok, family, out):
-  """Special tokens transformers adds around a text: BERT's [CLS] x [SEP] (y [SEP]), T5's x </s> (y </s>)."""
-  name = lambda i: (out.id_to_token(i), i)
-  if family == "bert":
-    cls, sep = name(tok.cls_id), name(tok.sep_id)
-    return processors.TemplateProcessing(single=f"{cls[0]} $A {sep[0]}", pair=f"{cls[0]} $A {sep[0]} $B:1 {sep[0]}:1",
-                                         special_tokens=[cls, sep])
-  if family == "t5":
-    eos = name(tok.eos_id)
-    return processors.TemplateProcessing(single=f"$A {eos[0]}", pair=f"$A {eos[0]} $B {eos[0]}", special_tokens=[eos])
-  return None
+  """Special tokens transformers adds around a text (Tokens.template): BERT's [CLS] x [SEP] ([CLS] x [SEP] y [SEP]
+  with y's type id 1), T5's x </s> (x </s> y </s>); none for GPT."""
+  spec = model_lib.family(family).tokens
+  if spec.template == ("$A",):
+    return None
+  names = {role: out.id_to_token(getattr(tok, role)) for role in spec.template if role != "$A"}
+  single = [names.get(t, t) for t in spec.template]
+  second = ":1" if spec.token_types else ""
+  after = [names.get(t, "$B") + second for t in spec.template[spec.template.index("$A"):]]
+  return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(single + after),
+                                       special_tokens=[(n, out.token_to_id(n)) for n in dict.fromkeys(names.values())])

@@ -1,48 +1,53 @@
 """Models API: init / abstract_params / logical_axes / apply / decoding, dispatched on model_cfg.family.
 
-The family modules hold architecture only (Hugging Face conversion is lm_jax.hf). Each (bert.py, gpt.py,
-t5.py) provides
-  Model                 linen Module; Model(cfg)(batch, train=False) -> dict of outputs, where cfg is the
-                        model config as a FrozenConfigDict (layers.frozen)
-  example_batch(cfg)    a tiny batch of the family's input keys, for init / eval_shape
-  check_config(cfg)     (optional) family-specific checks, run after the generic ones in validate
-  HEADS                 (optional) top-level param names that are task heads (summary counts them apart)
-  init_cache, decode_step   (decoders) incremental decoding with an explicit KV-cache pytree
+A model family is the unit of extension: one module here holds its architecture and declares its `FAMILY` record
+(lm_jax.models.registry.Family: layout, Model, example_batch, config checks, FLOPs, tokenizer specials, decoding),
+registered below with one line; its Hugging Face conversion is lm_jax/hf/<family>.py. The rest of the code asks
+`family(model_cfg)` and never compares family names.
 """
-import importlib
 import math
 
 import flax.linen as nn
 import jax
 
-from lm_jax.models import layers
+from lm_jax.models import bert, gpt, gpt2, layers, t5
+from lm_jax.models.registry import LAYOUTS, Family
 from lm_jax.models.variables import ADAPTERS, adapter, check_plain, of_params
 
-FAMILIES = ("bert", "gpt", "t5")
 REFERENCE = "reference"   # the params subtree of a model.frozen_reference copy
+_SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff")   # every family's positive integers
+_FAMILIES: dict[str, Family] = {}
 
 
-def family_name(model_cfg_or_family) -> str:
-  """'bert', 'gpt' or 't5', given the name or a model config; a one-line ValueError for any other."""
-  family = getattr(model_cfg_or_family, "family", model_cfg_or_family)
-  if family not in FAMILIES:
-    raise ValueError(f"unknown model.family {family!r}; known: {', '.join(FAMILIES)}")
-  return family
+def register(record: Family) -> Family:
+  """Makes `record` available as model.family=record.name."""
+  _FAMILIES[record.name] = record
+  return record
 
 
-def family_module(model_cfg_or_family):
-  """The module of a family ('bert', 'gpt', 't5'), given its name or a model config."""
-  return importlib.import_module(f"lm_jax.models.{family_name(model_cfg_or_family)}")
+register(bert.FAMILY)
+register(gpt.FAMILY)
+register(t5.FAMILY)
+register(gpt2.FAMILY)
+
+
+def names() -> list[str]:
+  return sorted(_FAMILIES)
+
+
+def family(model_cfg_or_name) -> Family:
+  """The Family record of a model config or a family name; a one-line ValueError for an unknown one."""
+  name = getattr(model_cfg_or_name, "family", model_cfg_or_name)
+  if name not in _FAMILIES:
+    raise ValueError(f"unknown model.family {name!r}; known: {', '.join(names())}")
+  return _FAMILIES[name]
 
 
 def validate(model_cfg) -> None:
   """One-line ValueError for a config no model can be built from."""
-  family_module(model_cfg)
+  fam = family(model_cfg)
   get = model_cfg.get
-  sizes = ["vocab_size", "d_model", "num_layers", "num_heads", "d_ff"]
-  sizes += {"bert": ["max_positions", "type_vocab_size"], "gpt": ["max_positions"],
-            "t5": ["relative_attention_num_buckets", "relative_attention_max_distance"]}[model_cfg.family]
-  for name in sizes:
+  for name in _SIZES + fam.sizes:
     if not isinstance(get(name), int) or get(name) <= 0:
       raise ValueError(f"model.{name} must be a positive integer, got {get(name)!r}")
   for name in ("head_dim", "num_decoder_layers"):
@@ -60,17 +65,15 @@ def validate(model_cfg) -> None:
       raise ValueError(f"model.{name} must be in [0, 1), got {get(name)!r}")
   if not get("layer_norm_eps", 1.0) > 0:
     raise ValueError(f"model.layer_norm_eps must be positive, got {get('layer_norm_eps')!r}")
-  check = getattr(family_module(model_cfg), "check_config", None)
-  if check:
-    check(model_cfg)
+  fam.check_config(model_cfg)
 
 
 def _boxed_init(model_cfg, rng):
   """With model.frozen_reference the params also hold a copy of themselves under REFERENCE (the frozen reference
   model of DPO, lm_jax/objectives/dpo.py; finetune freezes it and fills it from init_from); apply ignores it."""
   cfg = layers.frozen(model_cfg)
-  mod = family_module(cfg)
-  params = mod.Model(cfg).init({"params": rng}, mod.example_batch(cfg))["params"]
+  fam = family(cfg)
+  params = fam.Model(cfg).init({"params": rng}, fam.example_batch(cfg))["params"]
   return {**params, REFERENCE: params} if cfg.get("frozen_reference", False) else params
 
 
@@ -99,14 +102,15 @@ def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None,
     raise ValueError("models.apply(train=True) needs an rng for dropout")
   cfg = layers.frozen(model_cfg)
   rngs = {"dropout": rng} if train else {}
-  return family_module(cfg).Model(cfg).apply(variables, batch, train=train, rngs=rngs)
+  return family(cfg).Model(cfg).apply(variables, batch, train=train, rngs=rngs)
 
 
 def init_cache(model_cfg, params: dict, batch: dict, max_length: int) -> dict:
-  """KV cache for decoding up to `max_length` positions. GPT: sized for batch['input_ids'] (params
-  unused); T5: also runs the encoder on batch['input_ids'/'attention_mask'] once."""
+  """KV cache for decoding up to `max_length` positions. A decoder: sized for batch['input_ids'] (params
+  unused); an encoder-decoder also runs the encoder on batch['input_ids'/'attention_mask'] once."""
   check_plain(params)
-  return family_module(model_cfg).init_cache(layers.frozen(model_cfg), params, batch, max_length)
+  _check_decoder(model_cfg)
+  return family(model_cfg).init_cache(layers.frozen(model_cfg), params, batch, max_length)
 
 
 def decode_step(model_cfg, params: dict, input_ids: jax.Array, cache: dict,
@@ -114,7 +118,18 @@ def decode_step(model_cfg, params: dict, input_ids: jax.Array, cache: dict,
   """Feeds the next (decoder) tokens (B,T) at cache['index'] -> (their logits (B,T,V), updated cache).
   attention_mask (B,T) marks padding among the new tokens. Jit it with model_cfg closed over."""
   check_plain(params)
-  return family_module(model_cfg).decode_step(layers.frozen(model_cfg), params, input_ids, cache, attention_mask)
+  _check_decoder(model_cfg)
+  return family(model_cfg).decode_step(layers.frozen(model_cfg), params, input_ids, cache, attention_mask)
+
+
+def _check_decoder(model_cfg) -> None:
+  if family(model_cfg).decode_step is None:
+    raise ValueError(f"model.family={model_cfg.family!r} has no decoder to decode with")
+
+
+def forward_flops(model_cfg, lengths) -> float:
+  """Matmul FLOPs of one forward pass on one example of these flops.Lengths (the family's count)."""
+  return float(family(model_cfg).forward_flops(model_cfg, lengths))
 
 
 def count(tree) -> int:

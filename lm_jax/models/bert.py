@@ -14,7 +14,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lm_jax import flops
 from lm_jax.models import layers
+from lm_jax.models.registry import Family, Tokens
 
 HEADS = ("mlm", "nsp", "classifier")   # on top of BertModel (embeddings + layers + pooler)
 
@@ -92,3 +94,23 @@ def example_batch(cfg) -> dict:
   ids = jnp.zeros((1, 2), jnp.int32)
   return {"input_ids": ids, "token_type_ids": ids, "attention_mask": ids + 1}
 
+
+
+def forward_flops(cfg, lengths) -> float:
+  """The layers and the pooler on [CLS]; then a classifier (num_labels > 0) on the pooler, or NSP and the MLM head
+  (transform + tied decoder) on the scored positions."""
+  d, scored = cfg.d_model, lengths.scored
+  total = cfg.num_layers * flops.encoder_layer(cfg, lengths.inputs) + flops.dense(1, d, d)
+  if cfg.get("num_labels", 0):
+    return total + flops.dense(1, d, cfg.num_labels)
+  return total + flops.dense(1, d, 2) + flops.dense(scored, d, d) + flops.dense(scored, d, cfg.vocab_size)
+
+
+FAMILY = Family(
+    name="bert", layout="encoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
+    sizes=("max_positions", "type_vocab_size"), check_config=check_config, heads=HEADS, learned_positions=True,
+    head_transform=True,
+    tokens=Tokens(spm=dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
+                           control_symbols=["[CLS]", "[SEP]", "[MASK]"]),
+                  required=("pad_id", "cls_id", "sep_id", "mask_id"), template=("cls_id", "$A", "sep_id"),
+                  token_types=True))

@@ -13,7 +13,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lm_jax import flops
 from lm_jax.models import layers
+from lm_jax.models.registry import Family, Tokens
 
 HEADS = ("classifier",)
 
@@ -34,22 +36,7 @@ class Model(nn.Module):
     kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
     init = nn.initializers.normal(cfg.initializer_range)
     ids = batch["input_ids"]
-    length = ids.shape[1]
-    key_mask = batch.get("attention_mask")
-    if cache is None:
-      index, layer_cache = None, None
-      positions = batch.get("positions", jnp.arange(length)[None])
-      mask = layers.make_attention_mask(key_mask, causal=True, q_len=length, kv_len=length,
-                                        q_segments=batch.get("segment_ids"))
-    else:
-      index, layer_cache = cache["index"], {"k": cache["k"], "v": cache["v"]}
-      new = jnp.ones_like(ids, dtype=bool) if key_mask is None else key_mask.astype(bool)
-      key_mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
-      q_index = index + jnp.arange(length)[None]
-      positions = batch.get("positions", q_index)
-      mask = layers.make_attention_mask(key_mask, causal=True, q_index=q_index,
-                                        kv_index=jnp.arange(key_mask.shape[1])[None])
-
+    positions, mask, layer_cache, index, key_mask = causal_inputs(batch, cache)
     embed = layers.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="word_embeddings", **kw)
     x = embed(ids) + layers.Embed(cfg.max_positions, cfg.d_model, (None, "embed"), embedding_init=init,
                                   name="position_embeddings", **kw)(positions)
@@ -63,8 +50,27 @@ class Model(nn.Module):
       out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
                                    **kw)(x).astype(jnp.float32)
     if cache is not None:
-      out["cache"] = {**layer_cache, "mask": key_mask, "index": index + length}
+      out["cache"] = {**layer_cache, "mask": key_mask, "index": index + ids.shape[1]}
     return out
+
+
+def causal_inputs(batch: dict, cache: dict | None):
+  """A causal decoder's view of a batch (see Model): (positions, attention mask, the layers' {'k', 'v'} cache or None,
+  write index or None, the cache's filled-slot mask after this step or None)."""
+  ids, key_mask = batch["input_ids"], batch.get("attention_mask")
+  length = ids.shape[1]
+  if cache is None:
+    positions = batch.get("positions", jnp.arange(length)[None])
+    mask = layers.make_attention_mask(key_mask, causal=True, q_len=length, kv_len=length,
+                                      q_segments=batch.get("segment_ids"))
+    return positions, mask, None, None, None
+  index = cache["index"]
+  new = jnp.ones_like(ids, dtype=bool) if key_mask is None else key_mask.astype(bool)
+  key_mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
+  q_index = index + jnp.arange(length)[None]
+  mask = layers.make_attention_mask(key_mask, causal=True, q_index=q_index,
+                                    kv_index=jnp.arange(key_mask.shape[1])[None])
+  return batch.get("positions", q_index), mask, {"k": cache["k"], "v": cache["v"]}, index, key_mask
 
 
 def check_config(cfg) -> None:
@@ -76,6 +82,13 @@ def check_config(cfg) -> None:
 def example_batch(cfg) -> dict:
   ids = jnp.zeros((1, 2), jnp.int32)
   return {"input_ids": ids, "attention_mask": ids + 1}
+
+
+def forward_flops(cfg, lengths) -> float:
+  """The layers, the tied LM head on the scored positions, a task head (num_labels > 0) on every position."""
+  total = cfg.num_layers * flops.encoder_layer(cfg, lengths.inputs) + flops.dense(lengths.scored, cfg.d_model,
+                                                                                 cfg.vocab_size)
+  return total + flops.dense(lengths.inputs, cfg.d_model, cfg.get("num_labels", 0))
 
 
 def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
@@ -92,14 +105,21 @@ def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
 
 
 def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict, attention_mask: jax.Array | None = None,
-                positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                positions: jax.Array | None = None, *, model: type[nn.Module] = Model) -> tuple[jax.Array, dict]:
   """Appends input_ids (B,T) at cache['index'] -> (logits (B,T,V), cache). attention_mask marks padding
-  among the new tokens; positions default to index + arange(T). The first call can feed the prompt."""
+  among the new tokens; positions default to index + arange(T). The first call can feed the prompt. `model`: a
+  Model of the same inputs and cache (GPT-2's)."""
   batch = {"input_ids": input_ids}
   if attention_mask is not None:
     batch["attention_mask"] = attention_mask
   if positions is not None:
     batch["positions"] = positions
-  out = Model(layers.frozen(cfg)).apply({"params": params}, batch, cache=cache)
+  out = model(layers.frozen(cfg)).apply({"params": params}, batch, cache=cache)
   return out["logits"], out["cache"]
 
+
+
+TOKENS = Tokens(spm=dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1), required=("eos_id",))
+FAMILY = Family(name="gpt", layout="decoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
+                tokens=TOKENS, sizes=("max_positions",), check_config=check_config, heads=HEADS,
+                learned_positions=True, init_cache=init_cache, decode_step=decode_step)

@@ -1,4 +1,4 @@
-"""Building blocks shared by BERT, GPT and T5.
+"""Building blocks shared by the model families (BERT, GPT-1, GPT-2, T5).
 
 Every parameter carries logical axis names (nn.with_logical_partitioning) and the main activations a
 logical sharding constraint, so lm_jax.sharding maps both onto a mesh by rules. Multi-dimensional
@@ -372,6 +372,30 @@ class PostLNBlock(nn.Module):
     x = LayerNorm(cfg.layer_norm_eps, name="attention_ln", **kw)(x + drop(a))
     h = MLP(cfg.d_ff, cfg.activation, kernel_init=self.kernel_init, name="mlp", **kw)(x)
     x = LayerNorm(cfg.layer_norm_eps, name="mlp_ln", **kw)(x + drop(h))
+    return constrain(x, ("batch", "length", "embed")), cache
+
+
+class PreLNBlock(nn.Module):
+  """GPT-2 layer: x = x + Drop(Attn(LN(x))); x = x + Drop(MLP(LN(x))). out_init: the residual projections' init
+  (GPT-2 scales it by 1/sqrt(2 * layers)). cfg: the model config."""
+  cfg: Any
+  deterministic: bool = True
+  kernel_init: Init = nn.initializers.normal(0.02)
+  out_init: Init | None = None
+
+  @nn.compact
+  def __call__(self, x, cache, mask, cache_index=None):
+    cfg = self.cfg
+    kw = dict(dtype=dtype(cfg.dtype), param_dtype=dtype(cfg.param_dtype))
+    drop = Dropout(cfg.dropout_rate, deterministic=self.deterministic)
+    h = LayerNorm(cfg.layer_norm_eps, name="attention_ln", **kw)(x)
+    a, cache = Attention(cfg.num_heads, head_dim(cfg), dropout_rate=cfg.attention_dropout_rate,
+                         deterministic=self.deterministic, kernel_init=self.kernel_init, out_init=self.out_init,
+                         name="attention", **kw)(h, mask=mask, cache=cache, cache_index=cache_index)
+    x = x + drop(a)
+    h = LayerNorm(cfg.layer_norm_eps, name="mlp_ln", **kw)(x)
+    x = x + drop(MLP(cfg.d_ff, cfg.activation, kernel_init=self.kernel_init, out_init=self.out_init, name="mlp",
+                     **kw)(h))
     return constrain(x, ("batch", "length", "embed")), cache
 
 

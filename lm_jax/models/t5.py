@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from lm_jax import flops
 from lm_jax.models import layers
+from lm_jax.models.registry import Family, Tokens
 
 
 def num_decoder_layers(cfg) -> int:
@@ -232,3 +234,22 @@ def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict,
       {"params": params}, input_ids, mask, None, cache["encoder_mask"], cache=cache, method=Model.decode)
   return logits, dict(cache, **kv, mask=mask, index=index + input_ids.shape[1])
 
+
+
+def forward_flops(cfg, lengths) -> float:
+  """Encoder layers on the inputs; decoder layers (self- and cross-attention) on the targets; the LM head on the
+  scored targets."""
+  if lengths.targets <= 0:
+    raise ValueError(f"train_flops: t5 needs target_len > 0, got {lengths.targets}")
+  t = lengths.targets
+  decoder_layer = flops.self_attention(cfg, t) + flops.cross_attention(cfg, t, lengths.inputs) + flops.ffn(cfg, t)
+  return (cfg.num_layers * flops.encoder_layer(cfg, lengths.inputs) + num_decoder_layers(cfg) * decoder_layer
+          + flops.dense(lengths.scored, cfg.d_model, cfg.vocab_size))
+
+
+FAMILY = Family(
+    name="t5", layout="encoder_decoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
+    sizes=("relative_attention_num_buckets", "relative_attention_max_distance"), check_config=check_config,
+    tokens=Tokens(spm=dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1), required=("pad_id", "eos_id"), sentinels=True,
+                  template=("$A", "eos_id")),
+    init_cache=init_cache, decode_step=decode_step)

@@ -3,7 +3,8 @@
 An objective is one file here that builds a `registry.Objective` and registers it. It owns everything
 specific to it, so no other module branches on its name:
 
-  name, families   its key and the model families it trains
+  name, layouts    its key and the model layouts it trains ('encoder', 'decoder', 'encoder_decoder'): every
+                   family of such a layout (lm_jax.models.family) trains with it, a new one included
   check            its config checks (after the generic ones below), one-line ValueError naming the field
   lengths          input / target / scored lengths per example: tokens per example and FLOPs per example
                    (Objective.tokens_per_example / flops_per_example) for the trainer, memory and bench/
@@ -25,6 +26,7 @@ specific to it, so no other module branches on its name:
 A test (or a user's script) can register its own objective with `register` and train it through the
 unchanged trainer.
 """
+from lm_jax import models
 from lm_jax.objectives import (classify, clm, dpo, gpt_classify, mlm, ppo, reward, sft, span_corruption,
                                text_to_text)
 from lm_jax.objectives.registry import Lengths, Objective, get, names, register
@@ -43,14 +45,17 @@ def check(config):
   the trainer calls it before anything is built."""
   objective = get(config.objective)
   m, d = config.model, config.data
-  needed = " or ".join(f"config.model.family={f!r}" for f in objective.families)
-  _require(m.family in objective.families, f"config.objective={config.objective!r} needs {needed}, got {m.family!r}")
+  family = models.family(m)
+  fitting = [f for f in models.names() if models.family(f).layout in objective.layouts]   # for the message
+  needed = " or ".join(f"config.model.family={f!r}" for f in fitting)
+  _require(family.layout in objective.layouts,
+           f"config.objective={config.objective!r} needs {needed}, got {m.family!r}")
   _require(m.vocab_size > 0, f"config.model.vocab_size must be > 0, got {m.vocab_size}")
   _require(d.seq_len >= 1, f"config.data.seq_len must be >= 1, got {d.seq_len}")
-  if m.family in ("bert", "gpt"):   # learned absolute positions
+  if family.learned_positions:
     _require(d.seq_len <= m.max_positions,
              f"config.data.seq_len={d.seq_len} exceeds config.model.max_positions={m.max_positions}")
-  _require(config.get("loss_z", 0.0) >= 0, f"config.loss_z must be >= 0, got {config.get('loss_z')}")
+  _require(config.get("z_loss", 0.0) >= 0, f"config.z_loss must be >= 0, got {config.get('z_loss')}")
   ls = config.get("label_smoothing", 0.0)
   _require(0 <= ls < 1, f"config.label_smoothing must be in [0, 1), got {ls}")
   objective.check(config)

@@ -108,5 +108,5 @@ def predict(config, params, batch):
   return dict(prediction=prediction, label=batch["labels"], weight=batch["weights"], index=batch["index"])
 
 
-OBJECTIVE = Objective(name="classify", families=("bert",), check=check, lengths=lengths, rows=row_layout,
+OBJECTIVE = Objective(name="classify", layouts=("encoder",), check=check, lengths=lengths, rows=row_layout,
                       transform=no_transform, features=features, denominators=denominators, loss=loss, predict=predict)

@@ -47,5 +47,5 @@ def loss(config, params, batch, den, *, rng=None, train=False):
   return total, dict(loss=total, accuracy=ce["correct"] / den["tokens"], token_loss=ce["nll"] / den["tokens"])
 
 
-OBJECTIVE = Objective(name="clm", families=("gpt",), check=lambda config: None, lengths=lengths, rows=row_layout,
+OBJECTIVE = Objective(name="clm", layouts=("decoder",), check=lambda config: None, lengths=lengths, rows=row_layout,
                       transform=no_transform, features=features, denominators=denominators, loss=loss)

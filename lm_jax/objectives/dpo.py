@@ -129,5 +129,5 @@ def loss(config, params, batch, den, *, rng=None, train=False):
   return metrics["loss"], metrics
 
 
-OBJECTIVE = Objective(name="dpo", families=("gpt",), check=check, lengths=lengths, rows=row_layout,
+OBJECTIVE = Objective(name="dpo", layouts=("decoder",), check=check, lengths=lengths, rows=row_layout,
                       transform=no_transform, features=features, denominators=denominators, loss=loss)

@@ -185,6 +185,6 @@ def predict(config, params, batch):
               weight=batch["weights"], index=batch["index"])
 
 
-OBJECTIVE = Objective(name="gpt_classify", families=("gpt",), check=check, lengths=lengths, rows=row_layout,
+OBJECTIVE = Objective(name="gpt_classify", layouts=("decoder",), check=check, lengths=lengths, rows=row_layout,
                       transform=no_transform, features=features, denominators=denominators, loss=loss,
                       predict=predict, added_tokens=ADDED_TOKENS)

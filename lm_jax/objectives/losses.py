@@ -28,4 +28,4 @@ def cross_entropy(logits, targets, weights, *, z_loss=0.0, label_smoothing=0.0):
 
 def options(config) -> dict:
   """The token-loss options of a config: z-loss weight and label smoothing (0 = off, the papers' setting)."""
-  return dict(z_loss=float(config.get("loss_z", 0.0)), label_smoothing=float(config.get("label_smoothing", 0.0)))
+  return dict(z_loss=float(config.get("z_loss", 0.0)), label_smoothing=float(config.get("label_smoothing", 0.0)))

@@ -95,6 +95,6 @@ def loss(config, params, batch, den, *, rng=None, train=False):
   return total, metrics
 
 
-OBJECTIVE = Objective(name="mlm", families=("bert",), check=check, lengths=lengths, rows=row_layout,
+OBJECTIVE = Objective(name="mlm", layouts=("encoder",), check=check, lengths=lengths, rows=row_layout,
                       transform=transform, features=features, denominators=denominators, loss=loss,
                       metric_denominators={"nsp_loss": "nsp", "nsp_accuracy": "nsp"})

@@ -19,7 +19,7 @@ def check(config):
            f"model's workdir) or config.ppo.reward_fn (one of {', '.join(sorted(rewards.REWARD_FNS))})")
   if p.reward_fn:
     rewards.get(p.reward_fn)
-  instructions.check_template(config)   # prompts are formatted as SFT's (lm_jax.rlhf.ppo.read_prompts)
+  instructions.check_template(config)   # prompts are formatted as SFT's (lm_jax.data.instructions.prompts)
   _require(bool(p.prompts), "config.ppo.prompts must name the prompt files (.txt: a prompt per line; .jsonl: "
            "config.ppo.prompt_field)")
   _require(p.prompt_len >= 1 and p.max_new_tokens >= 1,
@@ -50,6 +50,6 @@ def _loop(config, workdir, *, devices=None):
   return ppo.train(config, workdir, devices=devices)
 
 
-OBJECTIVE = Objective(name="ppo", families=("gpt",), check=check, lengths=lengths, rows=clm.row_layout,
+OBJECTIVE = Objective(name="ppo", layouts=("decoder",), check=check, lengths=lengths, rows=clm.row_layout,
                       transform=no_transform, features=clm.features, denominators=clm.denominators, loss=clm.loss,
                       loop=_loop)

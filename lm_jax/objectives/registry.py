@@ -2,23 +2,15 @@
 import dataclasses
 from typing import Callable
 
-from lm_jax import flops
-
-
-@dataclasses.dataclass(frozen=True)
-class Lengths:
-  """Per-example sizes the FLOP and memory counts need: encoder (or decoder-only) input tokens, decoder
-  target tokens (0 without a decoder), and positions scored by the output head over the vocabulary."""
-  inputs: int
-  targets: int
-  scored: int
+from lm_jax import models
+from lm_jax.flops import Lengths
 
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """Everything specific to one training objective (see lm_jax/objectives/__init__.py)."""
   name: str
-  families: tuple
+  layouts: tuple          # the model layouts it trains (lm_jax.models.LAYOUTS)
   check: Callable         # config -> None, or a one-line ValueError naming the field
   lengths: Callable       # config -> Lengths
   rows: Callable          # (config, tokenizer) -> data.rows.Stream | data.rows.PerDocument
@@ -44,9 +36,9 @@ class Objective:
     return self.metric_denominators.get(metric, min(den))
 
   def flops_per_example(self, config) -> float:
-    """Training matmul FLOPs of one example (lm_jax.flops), the numerator of MFU."""
-    lengths = self.lengths(config)
-    return flops.train_flops_per_sequence(config.model, lengths.inputs, lengths.targets, lengths.scored)
+    """Training matmul FLOPs of one example: 3x the family's forward count for the objective's lengths (lm_jax.flops
+    says what that counts), the numerator of MFU."""
+    return 3.0 * models.forward_flops(config.model, self.lengths(config))
 
 
 def no_transform(config, tokenizer):

@@ -90,5 +90,5 @@ def loss(config, params, batch, den, *, rng=None, train=False):
   return metrics["loss"], metrics
 
 
-OBJECTIVE = Objective(name="reward", families=("gpt",), check=check, lengths=lengths, rows=row_layout,
+OBJECTIVE = Objective(name="reward", layouts=("decoder",), check=check, lengths=lengths, rows=row_layout,
                       transform=no_transform, features=features, denominators=denominators, loss=loss)

@@ -1,25 +1,30 @@
 """Supervised fine-tuning on (prompt, response) pairs (InstructGPT's first step, Ouyang et al. 2022 §3.5): the
-token loss on the response only, for the GPT and T5 families.
+token loss on the response only, for decoder (GPT) and encoder-decoder (T5) models.
 
-Data: lm_jax/data/instructions.py ('instruction' records of config.rlhf.files). GPT: each example is prompt + response +
-eos read as next-token prediction; only targets inside the response (and its eos) have weight 1, the prompt's have
-0. Examples are packed into rows in order (a new row when the next one does not fit) with segment ids and
-positions restarting per example, so no token attends across examples. T5: the prompt is the encoder input, the
-response (+ eos) the decoder target (data.target_len tokens; 0 = seq_len), one example per row. The loss is the
-weighted token cross-entropy divided by the number of response tokens in the global batch, exactly as the causal
-LM (clm) and span corruption losses with these weights. Metrics: loss, accuracy (per response token),
+Data: lm_jax/data/instructions.py ('instruction' records of config.rlhf.files). A decoder: each example is prompt +
+response + eos read as next-token prediction; only targets inside the response (and its eos) have weight 1, the
+prompt's have 0. Examples are packed into rows in order (a new row when the next one does not fit) with segment ids
+and positions restarting per example, so no token attends across examples. An encoder-decoder: the prompt is the
+encoder input, the response (+ eos) the decoder target (data.target_len tokens; 0 = seq_len), one example per row.
+The loss is the weighted token cross-entropy divided by the number of response tokens in the global batch, exactly
+as the causal LM (clm) and span corruption losses with these weights. Metrics: loss, accuracy (per response token),
 token_loss.
 """
 import numpy as np
 
+from lm_jax import models
 from lm_jax.data import instructions
 from lm_jax.objectives import clm, span_corruption
 from lm_jax.objectives.registry import Lengths, Objective, no_transform
 
 
 def target_len(config) -> int:
-  """T5 decoder length: config.data.target_len, or (0) seq_len."""
+  """An encoder-decoder's decoder length: config.data.target_len, or (0) seq_len."""
   return config.data.target_len or config.data.seq_len
+
+
+def _encoder_decoder(config) -> bool:
+  return models.family(config.model).layout == "encoder_decoder"
 
 
 def check(config):
@@ -29,13 +34,13 @@ def check(config):
 
 
 def lengths(config):
-  if config.model.family == "t5":
+  if _encoder_decoder(config):
     return Lengths(inputs=config.data.seq_len, targets=target_len(config), scored=target_len(config))
   return Lengths(inputs=config.data.seq_len, targets=0, scored=config.data.seq_len)
 
 
 def pack_causal(examples, width: int, pad_id: int) -> dict:
-  """GPT rows of width `width` (clm's features) holding the examples (instructions.Example) in order, several per
+  """Decoder rows of width `width` (clm's features) holding the examples (instructions.Example) in order, several per
   row; weights 1 exactly on the targets that are response tokens."""
   placed, row, col = [], 0, 0
   for ex in examples:
@@ -59,8 +64,8 @@ def pack_causal(examples, width: int, pad_id: int) -> dict:
 
 
 def encoder_decoder(examples, seq_len: int, target_length: int, pad_id: int, start_id: int) -> dict:
-  """T5 rows (span corruption's features), one example each: the prompt's last seq_len tokens in, the response's
-  first target_length tokens out."""
+  """Encoder-decoder rows (span corruption's features), one example each: the prompt's last seq_len tokens in, the
+  response's first target_length tokens out."""
   n = len(examples)
   ids, dec_targets = np.full((n, seq_len), pad_id, np.int32), np.full((n, target_length), pad_id, np.int32)
   mask, real = np.zeros_like(ids), np.zeros_like(dec_targets)
@@ -75,7 +80,7 @@ def encoder_decoder(examples, seq_len: int, target_length: int, pad_id: int, sta
 
 def row_layout(config, tokenizer):
   seq_len, pad = config.data.seq_len, tokenizer.pad_id
-  if config.model.family == "t5":
+  if _encoder_decoder(config):
     t = target_len(config)
     start = config.model.get("decoder_start_token_id", 0)
     build = lambda examples: encoder_decoder(examples, seq_len, t, pad, start)
@@ -86,12 +91,13 @@ def row_layout(config, tokenizer):
   return instructions.layout(config, tokenizer, "instruction", build, real)
 
 
-def _family(config):
-  return span_corruption if config.model.family == "t5" else clm
+def _per_layout(config):
+  """The objective whose features and loss this layout's rows share."""
+  return span_corruption if _encoder_decoder(config) else clm
 
 
 def features(config):
-  if config.model.family == "t5":
+  if _encoder_decoder(config):
     length, t = config.data.seq_len, target_len(config)
     feats = {k: ((length,), np.int32) for k in ("input_ids", "attention_mask")}
     feats.update({k: ((t,), np.int32) for k in ("decoder_input_ids", "decoder_target_ids", "decoder_attention_mask")})
@@ -101,13 +107,13 @@ def features(config):
 
 
 def denominators(batch):
-  """{'tokens': response tokens of the full batch} (both families mark them with weights)."""
+  """{'tokens': response tokens of the full batch} (both layouts mark them with weights)."""
   return (clm if "segment_ids" in batch else span_corruption).denominators(batch)
 
 
 def loss(config, params, batch, den, *, rng=None, train=False):
-  return _family(config).loss(config, params, batch, den, rng=rng, train=train)
+  return _per_layout(config).loss(config, params, batch, den, rng=rng, train=train)
 
 
-OBJECTIVE = Objective(name="sft", families=("gpt", "t5"), check=check, lengths=lengths, rows=row_layout,
+OBJECTIVE = Objective(name="sft", layouts=("decoder", "encoder_decoder"), check=check, lengths=lengths, rows=row_layout,
                       transform=no_transform, features=features, denominators=denominators, loss=loss)

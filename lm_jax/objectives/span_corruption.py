@@ -98,5 +98,5 @@ def loss(config, params, batch, den, *, rng=None, train=False):
   return total, dict(loss=total, accuracy=ce["correct"] / den["tokens"], token_loss=ce["nll"] / den["tokens"])
 
 
-OBJECTIVE = Objective(name="span_corruption", families=("t5",), check=check, lengths=lengths, rows=row_layout,
-                      transform=transform, features=features, denominators=denominators, loss=loss)
+OBJECTIVE = Objective(name="span_corruption", layouts=("encoder_decoder",), check=check, lengths=lengths,
+                      rows=row_layout, transform=transform, features=features, denominators=denominators, loss=loss)

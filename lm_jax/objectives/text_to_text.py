@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm_jax import decoding, models
-from lm_jax.data import rows, sources, tasks
+from lm_jax.data import records, rows, tasks
 from lm_jax.models import layers
 from lm_jax.objectives import losses
 from lm_jax.objectives.registry import Lengths, Objective, no_transform
@@ -75,32 +75,16 @@ def lengths(config):
   return Lengths(inputs=config.data.seq_len, targets=config.data.target_len, scored=config.data.target_len)
 
 
-class _TextRecords:
-  """Task records as (input text, target text) records, the target left out for an unlabelled one."""
-
-  def __init__(self, config, records_):
-    self._config, self._records, self.path = config, records_, records_.path
-
-  @property
-  def decode_stats(self) -> dict:
-    return self._records.decode_stats
-
-  def __len__(self):
-    return len(self._records)
-
-  def __getitem__(self, i):
-    rec = self._records[i]
-    if isinstance(rec, sources.Bad):
-      return rec
-    if not all(text.strip() for text in rec.texts):
-      return sources.Bad("empty")
-    target = () if rec.label is None else (target_text(self._config, rec.label),)
-    return tasks.Record((input_text(self._config, rec.texts), *target), rec.label)
-
-
-def text_records(config, split: str) -> _TextRecords:
+def text_records(config, split: str) -> records.Records:
   """The records of `split` with texts (input text, target text) (only the input when unlabelled)."""
-  return _TextRecords(config, tasks.records(config, split))
+  return tasks.records(config, split).map(lambda rec: _text_record(config, rec))
+
+
+def _text_record(config, rec: tasks.Record):
+  if not all(text.strip() for text in rec.texts):
+    return records.Bad("empty", "a blank text")
+  target = () if rec.label is None else (target_text(config, rec.label),)
+  return tasks.Record((input_text(config, rec.texts), *target), rec.label)
 
 
 def choice_width(config) -> int:
@@ -185,7 +169,7 @@ def denominators(batch):
 def choice_logprobs(config, params, batch):
   """(B, candidates) float32: log P(candidate | input) summed over its tokens + EOS; the encoder runs once."""
   cfg = layers.frozen(config.model)
-  model = models.family_module(cfg).Model(cfg)
+  model = models.family(cfg).Model(cfg)
   mask, choices = batch["attention_mask"], jnp.asarray(batch["choice_ids"])
   encoded = model.apply({"params": params}, batch["input_ids"], mask, method=type(model).encode)
   b, k, w = choices.shape
@@ -239,7 +223,7 @@ def generate_texts(config, params, tokenizer, split: str, *, batch_size: int = 3
   `split` -> {index, prediction (texts), target (texts; None when unlabelled), exact_match (the share of labelled
   examples whose decoded text equals the target text, T5's exact match)}. Under the run's mesh, like generate."""
   recs = text_records(config, split)
-  found = [(i, rec) for i, rec in ((i, recs[i]) for i in range(len(recs))) if not isinstance(rec, sources.Bad)]
+  found = [(i, rec) for i, rec in ((i, recs[i]) for i in range(len(recs))) if not isinstance(rec, records.Bad)]
   if not found:
     raise ValueError(f"{recs.path}: no usable examples")
   eos, limit = tokenizer.eos_id, config.data.seq_len - 1
@@ -262,7 +246,7 @@ def predict_texts(config, params, tokenizer, split: str) -> dict | None:
   return None if candidates(config) else generate_texts(config, params, tokenizer, split)
 
 
-OBJECTIVE = Objective(name="text_to_text", families=("t5",), check=check, lengths=lengths, rows=row_layout,
+OBJECTIVE = Objective(name="text_to_text", layouts=("encoder_decoder",), check=check, lengths=lengths, rows=row_layout,
                       transform=no_transform, features=features, denominators=denominators, loss=loss, predict=predict,
                       predict_texts=predict_texts,
                       metric_denominators={"loss": "tokens", "token_loss": "tokens", "token_accuracy": "tokens",

@@ -133,7 +133,8 @@ def save(config, params: dict, out_dir: str) -> None:
       "r": c.rank, "lora_alpha": c.alpha, "lora_dropout": c.dropout, "use_rslora": bool(c.rslora),
       "target_modules": sorted(modules), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
       "modules_to_save": sorted({n.rsplit(".", 1)[0] for n in trained}) or None,
-      "fan_in_fan_out": m.family == "gpt", "bias": "none", "init_lora_weights": True, "use_dora": False}
+      "fan_in_fan_out": hf.family_module(m).FAN_IN_FAN_OUT, "bias": "none", "init_lora_weights": True,
+      "use_dora": False}
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
     json.dump(adapter_config, f, indent=2, sort_keys=True)
@@ -219,8 +220,9 @@ def load(config, path: str) -> dict:
     if looped.endswith("/kernel"):
       module, part = _fused(name) or (name.removesuffix(".weight"), None)
       by_module.setdefault(module, []).append((looped, part))
-  if m.family == "bert" and not any(k.startswith("bert.") for k in tensors):   # adapters of a bare BertModel
-    tensors = {("bert." + k if not k.startswith("classifier.") else k): v for k, v in tensors.items()}
+  base = hf.family_module(m).BASE_PREFIX
+  if base and not any(k.startswith(base) for k in tensors):   # adapters of a bare base model (BertModel)
+    tensors = {(base + k if not k.startswith("classifier.") else k): v for k, v in tensors.items()}
   wanted = set(lora.targets(config))
   adapters, used = {}, set()
   for module, members in by_module.items():

@@ -32,8 +32,6 @@ resumed run repeats the uninterrupted one. config.total_steps counts iterations;
 their schedules (and optimizer.warmup_steps) run over total_steps * epochs * minibatches updates.
 """
 import dataclasses
-import glob
-import json
 import math
 import time
 import types
@@ -53,35 +51,6 @@ from lm_jax.peft import lora
 from lm_jax.rlhf import ppo_math, rewards
 
 TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record, with tokens_per_sec
-
-
-# ------------------------------------------------------------------------------------------------------ prompts
-def read_prompts(config, tokenizer) -> list[list[int]]:
-  """The token ids of every prompt in config.ppo.prompts (.txt: a prompt per non-empty line; .jsonl: the field
-  config.ppo.prompt_field) in config.rlhf.template, as SFT formats its prompts, each cut to its last
-  config.ppo.prompt_len tokens."""
-  p = config.ppo
-  instructions.check_template(config)
-  files = sorted(glob.glob(p.prompts))
-  if not files:
-    raise FileNotFoundError(f"config.ppo.prompts={p.prompts!r} matches no file")
-  texts = []
-  for path in files:
-    with open(path) as f:
-      lines = [line.rstrip("\n") for line in f if line.strip()]
-    if path.endswith(".jsonl"):
-      for i, line in enumerate(lines):
-        record = json.loads(line)
-        if p.prompt_field not in record:
-          raise ValueError(f"{path}: record {i} has no field config.ppo.prompt_field={p.prompt_field!r}")
-        texts.append(record[p.prompt_field])
-    else:
-      texts += lines
-  texts = [instructions.prompt_text(config, t) for t in texts]
-  prompts = [ids[-p.prompt_len:] for ids in tokenizer.encode_batch(texts) if ids]
-  if not prompts:
-    raise ValueError(f"config.ppo.prompts={p.prompts!r}: no prompt in {', '.join(files)}")
-  return prompts
 
 
 def assemble(prompts, responses, prompt_len: int, max_new_tokens: int, pad_id: int) -> dict:
@@ -256,7 +225,7 @@ def build(config, workdir: str, devices=None) -> Run:
   if minibatch % per_update:
     raise ValueError(f"a minibatch of config.batch_size / config.ppo.minibatches = {minibatch} rollouts is not "
                      f"divisible by config.microbatches * mesh.data * mesh.fsdp = {per_update}")
-  prompts = read_prompts(c, s.tokenizer)
+  prompts = instructions.prompts(c, s.tokenizer)
   policy = _part(_update_config(c, c.model, c.optimizer.lr, c.finetune.freeze), s.mesh, s.rules, _POLICY)
   value_config = _update_config(c, value_model, p.value_lr or c.optimizer.lr, ())
   with value_config.unlocked():

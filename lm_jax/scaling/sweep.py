@@ -15,7 +15,7 @@ import pathlib
 import sys
 import time
 
-from lm_jax import config_lib, flops
+from lm_jax import config_lib, flops, objectives
 
 CONFIG_FILE = pathlib.Path(__file__).resolve().parents[2] / "configs" / "gpt1.py"
 COLUMNS = ("budget", "N", "D", "C", "flops", "loss", "layers", "d_model", "steps", "seconds")
@@ -100,7 +100,7 @@ def run_sweep(workdir, budgets, sizes, *, min_steps=20, log=sys.stderr, **data_a
       loss = final_eval_loss(run_dir, steps)
     n, d = matmul_params(c.model), steps * c.batch_size * c.data.seq_len
     rows.append(dict(budget=budget, N=n, D=d, C=6.0 * n * d, loss=loss, layers=layers, d_model=d_model, steps=steps,
-                     flops=steps * c.batch_size * flops.train_flops_per_sequence(c.model, c.data.seq_len),
+                     flops=steps * c.batch_size * objectives.get(c.objective).flops_per_example(c),
                      seconds=round(time.perf_counter() - t, 1)))
   with open(os.path.join(workdir, "runs.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, COLUMNS)

@@ -1,0 +1,55 @@
+"""GPT-2 (Radford et al. 2019; HF GPT2LMHeadModel): pre-LN causal decoder.
+
+GPT-1's inputs and outputs (lm_jax/models/gpt.py: learned positions, tied LM head, the optional 'classifier' head
+with num_labels > 0, segment ids and positions of packed rows, the same KV cache) with GPT-2's changes (paper §2.3):
+layers.PreLNBlock, a final LayerNorm before the head, and the residual projections (attention out, MLP wo)
+initialised N(0, initializer_range / sqrt(2 * num_layers)).
+"""
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from lm_jax.models import gpt, layers
+from lm_jax.models.registry import Family
+
+HEADS = gpt.HEADS
+
+
+class Model(nn.Module):
+  """gpt.Model's batch, cache and outputs."""
+  cfg: Any
+
+  @nn.compact
+  def __call__(self, batch: dict, train: bool = False, cache: dict | None = None) -> dict:
+    cfg = self.cfg
+    kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
+    init = nn.initializers.normal(cfg.initializer_range)
+    out_init = nn.initializers.normal(cfg.initializer_range / math.sqrt(2 * cfg.num_layers))
+    ids = batch["input_ids"]
+    positions, mask, layer_cache, index, key_mask = gpt.causal_inputs(batch, cache)
+    embed = layers.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="word_embeddings", **kw)
+    x = embed(ids) + layers.Embed(cfg.max_positions, cfg.d_model, (None, "embed"), embedding_init=init,
+                                  name="position_embeddings", **kw)(positions)
+    x = layers.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+    x = layers.constrain(x, ("batch", "length", "embed"))
+    x, layer_cache = layers.stack(layers.PreLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
+                                  cfg=cfg, deterministic=not train, kernel_init=init,
+                                  out_init=out_init)(x, layer_cache, mask, index)
+    x = layers.LayerNorm(cfg.layer_norm_eps, name="final_ln", **kw)(x)
+    logits = layers.constrain(embed.attend(x), ("batch", "length", "vocab")).astype(jnp.float32)
+    out = {"logits": logits, "hidden": x}
+    if cfg.get("num_labels", 0):
+      out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
+                                   **kw)(x).astype(jnp.float32)
+    if cache is not None:
+      out["cache"] = {**layer_cache, "mask": key_mask, "index": index + ids.shape[1]}
+    return out
+
+
+FAMILY = Family(name="gpt2", layout="decoder", Model=Model, example_batch=gpt.example_batch,
+                forward_flops=gpt.forward_flops, tokens=gpt.TOKENS, sizes=("max_positions",),
+                check_config=gpt.check_config, heads=HEADS, learned_positions=True, init_cache=gpt.init_cache,
+                decode_step=functools.partial(gpt.decode_step, model=Model))
