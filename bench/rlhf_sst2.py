@@ -117,7 +117,7 @@ def measure(args) -> tuple[dict, dict]:
   from lm_jax import decoding, init_from, metrics_log, sharding
   from lm_jax.data import instructions, tokenizer as tokenizer_lib
   from lm_jax.objectives import reward as reward_lib
-  from lm_jax.rlhf import ppo
+  from lm_jax.rlhf import rollout
 
   config = ml_collections.ConfigDict(init_from.saved_config(args.ppo))   # the PPO run's resolved config
   with config.unlocked():
@@ -142,7 +142,7 @@ def measure(args) -> tuple[dict, dict]:
                                     temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=args.seed)
       logp, _ = decoding.score(m, policy, prompts, responses, batch_size=64)
       ref, _ = decoding.score(m, params["SFT"], prompts, responses, batch_size=64)
-      rows = ppo.assemble(prompts, responses, p.prompt_len, p.max_new_tokens, tok.pad_id)
+      rows = rollout.assemble(prompts, responses, p.prompt_len, p.max_new_tokens, tok.pad_id)
       rewards = score_rm(rm_params, {k: rows[k] for k in ("input_ids", "attention_mask", "positions")})
       texts = [f"{decode(q)} {decode(r)}".strip() for q, r in zip(prompts, responses)]
       out[name] = dict(rm=np.asarray(jax.device_get(rewards), np.float64), kl=np.asarray(logp - ref, np.float64),

@@ -113,7 +113,7 @@ def _timed(run_step, steps, warmup):
 
 
 def worker_roofline(args):
-  """The trainer's own CPU peak measurement (median of 10 jitted n^3 jnp.dot in --dtype) -> FLOP/s."""
+  """The trainer's own CPU peak measurement (best of 10 jitted n^3 jnp.dot in --dtype) -> FLOP/s."""
   import jax
   from lm_jax import hardware
   return {"flops_per_s": hardware.matmul_flops_per_s(args.matmul_size, args.dtype),

@@ -2,7 +2,9 @@
 
 Data flows config -> batch -> step -> checkpoint:
   main.py         the CLI (--mode=train|eval|export|summary); config_lib.py loads and validates configs
-  train.py        the trainer: setup, init or restore, the loop with its log / eval / checkpoint schedules
+  train.py        the trainer: setup, init or restore, its jitted steps on loop.py's shared schedules
+  loop.py         the schedules every trainer shares: log, eval, checkpoint, preemption, resume, throughput
+  rlhf/           PPO: a trainer of its own (rollout, scoring, update) on loop.py's schedules
   init_from.py    where a run starts (a Hugging Face directory or another run) and where eval / export take params
   predict.py      the eval step over the eval batches (the trainer's evaluator), and --mode=predict's TSV
   step.py         the train state and the one jitted, mesh-sharded train / eval step for every objective

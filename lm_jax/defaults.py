@@ -52,7 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_every = 0
   c.checkpoint_every = 1000
   c.keep_checkpoints = 2
-  c.peak_tflops = 0.0             # per device, for MFU; 0 = a table by device kind (see lm_jax/train.py)
+  c.peak_tflops = 0.0             # per device, for MFU; 0 = a table by device kind (lm_jax/hardware.py)
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1                # -1 takes the devices the other axes leave

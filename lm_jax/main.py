@@ -3,7 +3,9 @@
 
 Every mode reads the same config, so the run that trained a model is the one that evaluates,
 exports and summarises it. A user's mistake prints one line `error: ...` on stderr and exits 2 (flags,
-config) or 1 (data, checkpoints, files); see lm_jax.config_lib.user_errors.
+config) or 1 (data, checkpoints, files); see lm_jax.config_lib.user_errors. --mode=train runs lm_jax.train.train,
+or for an objective that trains on its own rollouts (Objective.rollouts: PPO) lm_jax.rlhf.ppo.train, which builds on
+lm_jax.train (main -> rlhf -> train -> objectives; nothing below main imports rlhf).
 """
 from lm_jax import malloc
 
@@ -59,10 +61,12 @@ def _run(config, mode):
     return
   if not _WORKDIR.value:
     raise app.UsageError(f"--workdir is required for --mode={mode}")
-  from lm_jax import distributed, train
+  from lm_jax import distributed, objectives, train
+  from lm_jax.rlhf import ppo
   distributed.maybe_initialize()
   if mode == "train":
-    train.train(config, _WORKDIR.value)
+    trainer = ppo.train if objectives.get(config.objective).rollouts else train.train
+    trainer(config, _WORKDIR.value)
   elif mode == "eval":
     train.evaluate_checkpoint(config, _WORKDIR.value)
   elif mode == "fill_mask":

@@ -34,7 +34,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AbstractMesh
 
-from lm_jax import finetune, models, objectives, sharding, step
+from lm_jax import config_lib, finetune, models, objectives, sharding, step
 from lm_jax.models import layers, t5
 from lm_jax.models import nf4
 
@@ -182,8 +182,6 @@ def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
 
 if __name__ == "__main__":
   from absl import app, flags
-
-  from lm_jax import config_lib
 
   _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
   _DEVICES = flags.DEFINE_integer("devices", None, "number of devices (default: this host's jax.device_count())")

@@ -9,7 +9,7 @@ import re
 
 import jax
 
-from lm_jax import models
+from lm_jax import memory, models
 
 
 def _rows(abstract) -> list[tuple[str, tuple, int, int]]:
@@ -41,10 +41,6 @@ def print_summary(config) -> None:
     if head in abstract:
       print(f"head {head}: {models.count(abstract[head])}")
   print(f"params with heads: {models.count(abstract)}")
-  try:
-    from lm_jax import memory
-  except ImportError:
-    return
   report = memory.estimate(config)
   if isinstance(report, dict):
     for key, value in report.items():

@@ -1,13 +1,10 @@
 """The trainer: config -> setup (objective, tokenizer, mesh, optimizer, state layout) -> init or restore ->
-a loop of jitted steps with four schedules (log, eval, checkpoint, preemption) -> the final state.
-
-The hot loop never waits for the device: metrics stay on device and are fetched every log_every steps
-(and before each checkpoint, so no non-finite loss is ever saved).
+a loop of jitted steps on the schedules every trainer shares (lm_jax.loop: log, eval, checkpoint, preemption,
+resume) -> the final state. Dependencies: main and rlhf call it; it builds on loop, step, objectives, data,
+sharding, checkpoint.
 """
 import dataclasses
-import math
 import os
-import time
 from typing import Callable
 
 import jax
@@ -15,8 +12,8 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import Mesh
 
-from lm_jax import (checkpoint, config_lib, finetune, hardware, init_from, metrics_log, objectives, predict, sharding,
-                    step)
+from lm_jax import (checkpoint, config_lib, finetune, hardware, init_from, loop, metrics_log, objectives, predict,
+                    sharding, step)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.peft import lora
 
@@ -49,12 +46,6 @@ def setup(config, workdir: str, devices=None) -> Setup:
   return Setup(config, objectives.get(config.objective), tokenizer, mesh, rules, tx, lr, abstract, state_sh)
 
 
-def _print(line: str):
-  """Console output from process 0 only (every host runs the loop)."""
-  if jax.process_index() == 0:
-    print(line, flush=True)
-
-
 def _hosts(kind: str, s: Setup, **kwargs):
   make = pipeline.make_train_iterator if kind == "train" else pipeline.make_eval_iterator
   return make(s.config, s.tokenizer, s.objective, process_index=jax.process_index(),
@@ -78,108 +69,51 @@ def _init_or_restore(s: Setup, mngr, train_it):
     if s.config.init_from:   # pre-trained params; new heads keep the seeded init
       params, report = init_from.start_params(s.config, state["params"], s.mesh, s.rules, s.state_sharding["params"])
       state = dict(state, params=params)
-      _print(report)
+      loop.say(report)
     return state, 0
-  changes = restored.data_changes
-  if restored.data_state is not None and "shards" not in restored.data_state:
-    changes = ["data-iterator state of an older lm_jax"]
-  if changes:
-    _print(f"resumed step {restored.step}; data config changed ({'; '.join(changes)}): fresh data iterator")
-  else:
-    train_it.set_state(restored.data_state)
-    _print(f"resumed step {restored.step} from {mngr.directory}")
-  return restored.state, restored.step
+  return restored.state, loop.resume(restored, mngr.directory, train_it)
 
 
-# ------------------------------------------------------------------------------------- the loop's schedules
-class _Meter:
-  """Metrics of the steps since the last log (kept on device) and their wall time, evals and saves excluded."""
+def _record(s: Setup, peak: float) -> Callable:
+  """(window's host metrics, seconds per step) -> log record: the last step's metrics, the window's throughput."""
+  tokens, flops = (s.config.batch_size * f(s.config) for f in (s.objective.tokens_per_example,
+                                                               s.objective.flops_per_example))
 
-  def __init__(self, step: int):
-    self.first_step, self.pending, self.start, self.paused = step, [], time.perf_counter(), 0.0
-
-  def host_metrics(self) -> list[dict]:
-    return [{k: float(v) for k, v in m.items()} for m in jax.device_get(self.pending)]
-
-  def check_finite(self, mngr, host: list[dict] | None = None):
-    """Raises before anything non-finite can be logged as fine or saved."""
-    for i, m in enumerate(self.host_metrics() if host is None else host):
-      if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-        checkpoint.finish(mngr)
-        raise FloatingPointError(f"non-finite loss ({m['loss']}) or grad norm ({m['grad_norm']}) at step "
-                                 f"{self.first_step + i + 1}; not saved. Last good checkpoint: step {mngr.latest_step()}")
-
-
-def _log(s: Setup, meter: _Meter, step_: int, end: int, log, peak: float, mngr) -> tuple[dict, _Meter]:
-  """Writes the train record of the last step (throughput over the window) and starts a new window."""
-  host = meter.host_metrics()
-  meter.check_finite(mngr, host)
-  seconds = (time.perf_counter() - meter.start - meter.paused) / len(host)
-  last, batch = host[-1], s.config.batch_size
-  record = {"step": step_, "loss": last.pop("loss"), "lr": last.pop("lr"), **last,
-            "tokens_per_sec": s.objective.tokens_per_example(s.config) * batch / seconds,
-            "mfu": s.objective.flops_per_example(s.config) * batch / seconds / peak}
-  log.write(record)
-  _print(metrics_log.console(record, end, seconds))
-  return record, _Meter(step_)
-
-
-def _evaluate(run_eval, state, step_: int, end: int, log) -> dict:
-  record = {"step": step_, **run_eval(state["params"])}
-  log.write(record)
-  _print(metrics_log.console(record, end))
+  def record(host: list[dict], seconds: float) -> dict:
+    last = dict(host[-1])
+    return {"loss": last.pop("loss"), "lr": last.pop("lr"), **last, "tokens_per_sec": tokens / seconds,
+            "mfu": flops / seconds / peak}
   return record
 
 
 def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]:
-  """Steps start+1 .. end with the log / eval / checkpoint / preemption schedules. Returns (state, result)."""
+  """Steps start+1 .. end on the log / eval / checkpoint / preemption schedules (lm_jax.loop)."""
   c = s.config
-  end = c.phase_end_step or c.total_steps
   train_step = step.make_train_step(c, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
-  run_eval = make_evaluator(s) if c.eval_every else None
-  batch_sh, peak = sharding.batch_sharding(s.mesh), hardware.peak_flops(list(s.mesh.devices.flat), c.peak_tflops)
-  result, meter = {"step": start, "train": None, "eval": None}, _Meter(start)
-  best = checkpoint.Best(str(mngr.directory.parent), c) if run_eval and c.finetune.best_metric else None
-  if start >= end:
-    _print(f"nothing to do: checkpoint step {start} >= end step {end}")
-  with checkpoint.Preemption() as preemption:
-    for i in range(start + 1, end + 1):
-      state, metrics = train_step(state, sharding.global_batch(next(train_it), batch_sh))
-      checkpoint.check_save(mngr)   # a background save that failed stops the run now, in one line
-      meter.pending.append(metrics)
-      last, log_now = i == end, i % c.log_every == 0 or i == end or i == 1  # step 1: loss right after compiling
-      stop = preemption.any_process() if (log_now or jax.process_count() == 1) else False
-      if log_now:
-        result["train"], meter = _log(s, meter, i, end, log, peak, mngr)
-      t_pause = time.perf_counter()
-      if run_eval and (i % c.eval_every == 0 or last):
-        result["eval"] = _evaluate(run_eval, state, i, end, log)
-        if best and best.offer(result["eval"], state, checkpoint.data_state(train_it), c):
-          _print(f"best {c.finetune.best_metric} so far: step {i}, kept in {best.dir}")
-      if i % c.checkpoint_every == 0 or last or stop:
-        meter.check_finite(mngr)
-        checkpoint.save(mngr, i, state, checkpoint.data_state(train_it), c)
-      meter.paused += time.perf_counter() - t_pause
-      result["step"] = i
-      if stop:
-        _print(f"SIGTERM: saved step {i}, exiting")
-        break
-  if best:
-    best.close()
-  return state, result
+  evaluator = make_evaluator(s) if c.eval_every else None
+  batch_sh = sharding.batch_sharding(s.mesh)
+  peak, source = hardware.peak(list(s.mesh.devices.flat), c.peak_tflops)
+  loop.say(hardware.describe(peak, source))
+  data_state = lambda: checkpoint.data_state(train_it)
+  schedules = loop.Schedules(
+      c, mngr, log, _record(s, peak), save=lambda i, state: checkpoint.save(mngr, i, state, data_state(), c),
+      data_state=data_state, evaluate=(lambda state: evaluator(state["params"])) if evaluator else None,
+      best=checkpoint.Best(str(mngr.directory.parent), c) if evaluator and c.finetune.best_metric else None)
+  train_one = lambda state, i: train_step(state, sharding.global_batch(next(train_it), batch_sh))
+  return loop.run(schedules, train_one, state, start, c.phase_end_step or c.total_steps)
 
 
 # ----------------------------------------------------------------------------------------------- entry points
 def train(config, workdir: str, *, devices=None) -> dict:
   """Trains (or resumes) to config.phase_end_step or total_steps. Returns {'step', 'train': last train
-  record, 'eval': last eval record, 'state': final train state}. An objective with a loop of its own (PPO) runs
-  that instead."""
-  loop = objectives.get(config.objective).loop
-  if loop:
-    return loop(config, workdir, devices=devices)
+  record, 'eval': last eval record, 'state': final train state}. An objective that trains on its own rollouts
+  (PPO) has a trainer of its own: lm_jax.rlhf.ppo.train."""
+  if objectives.get(config.objective).rollouts:
+    raise ValueError(f"config.objective={config.objective!r} trains on rollouts: lm_jax.rlhf.ppo.train runs it "
+                     "(python -m lm_jax.main picks it)")
   s = setup(config, workdir, devices)
   trainable, total = finetune.trainable_count(s.config)
-  _print(f"parameters: {trainable:,} trainable of {total:,}")
+  loop.say(f"parameters: {trainable:,} trainable of {total:,}")
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
   train_it = _hosts("train", s)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
@@ -207,7 +141,7 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
   s, params, latest = restore_params(config, workdir)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     record = {"step": latest, **make_evaluator(s)(params)}
-  _print(metrics_log.console(record, latest))
+  loop.say(metrics_log.console(record, latest))
   metrics_log.MetricsLog(workdir, resume_step=10**12, tensorboard=False).write(record)  # no-op off process 0
   return record
 
@@ -228,5 +162,5 @@ def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = Fals
     export.save_hf(s.config.model, plain, export_dir, tokenizer=s.tokenizer)
     if lora.enabled(s.config) and not merged:
       peft_format.save(s.config, params, os.path.join(export_dir, "adapter"))
-  _print(f"exported step {latest} to {export_dir}")
+  loop.say(f"exported step {latest} to {export_dir}")
   return export_dir

@@ -18,7 +18,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from lm_jax import config_lib, metrics_log, models
 from lm_jax.data import instructions, tokenizer
-from lm_jax.rlhf import ppo, ppo_math
+from lm_jax.rlhf import ppo, ppo_math, rollout
 from conftest import REPO
 
 ITERATIONS = 20
@@ -248,7 +248,7 @@ def test_scoring_reads_each_response_where_the_model_scores_it(trained):
   c, p = run.setup.config, run.setup.config.ppo
   prompts = [[5, 6, 7], [8] * p.prompt_len, [9, 10]] * (c.batch_size // 3) + [[4]] * (c.batch_size % 3)
   responses = [[11, 12, 13, 1], [14] * p.max_new_tokens, [15]] * (c.batch_size // 3) + [[3]] * (c.batch_size % 3)
-  rows = ppo.assemble(prompts, responses, p.prompt_len, p.max_new_tokens, pad_id=0)
+  rows = rollout.assemble(prompts, responses, p.prompt_len, p.max_new_tokens, pad_id=0)
   rows["scores"] = np.zeros(c.batch_size, np.float32)
   params = run.initial["policy"]
   plain = np.zeros((3, p.prompt_len + p.max_new_tokens), np.int32)

@@ -34,7 +34,7 @@ def get_config(arg="ppo"):
   p.max_new_tokens = 64      # response length limit (EOS ends a response earlier)
   p.temperature = 1.0        # sampling temperature, also applied to the log-probabilities (as TRL)
   p.reward_from = ""         # a reward model's workdir (GPT, model.num_labels = 1)
-  p.reward_fn = ""           # or an exact reward (lm_jax/rlhf/rewards.py); with reward_from: logged as true_reward
+  p.reward_fn = ""           # or an exact reward (lm_jax/objectives/rewards.py); with reward_from: logged as true_reward
   p.kl_coef = 0.05           # beta of the per-token KL penalty (TRL's default)
   p.kl_target = 0.0          # > 0: Ziegler et al.'s adaptive controller steers the summed KL per response to it
   p.kl_horizon = 10000.0     # the controller's horizon in rollouts (Ziegler et al.)

@@ -17,6 +17,7 @@ import numpy as np
 from etils import epath
 
 from lm_jax import models as model_lib
+from lm_jax.data import sources
 
 NUM_SENTINELS = 100
 _TRAIN_CHARS = 3_000_000      # training text sample: SentencePiece's training time grows with it (bench/README.md)
@@ -228,7 +229,6 @@ def load_or_train(config, workdir: str) -> Tokenizer:
     kind = config.data.tokenizer_type
     path = epath.Path(workdir) / f"tokenizer_{family}_{kind}_{size}.model"   # epath: gs:// workdirs too
     if not path.exists():
-      from lm_jax.data import sources
       proto = train(sources.training_text(config, _TRAIN_CHARS), family=family, vocab_size=size,
                     model_type=kind)
       path.parent.mkdir(parents=True, exist_ok=True)

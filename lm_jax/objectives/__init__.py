@@ -20,8 +20,8 @@ specific to it, so no other module branches on its name:
                    lm_jax.evaluate.prediction_metrics) and --mode=predict writes them
   added_tokens     (optional) special tokens it appends to the pre-trained vocabulary as new embedding rows
                    (init_from.resolve): ids vocab_size - added_tokens .. vocab_size - 1, unknown to the tokenizer
-  loop             (optional) (config, workdir, *, devices) -> result: a training loop of its own that
-                   train.train runs instead of the step loop (PPO: rollouts, scoring, updates)
+  rollouts         (optional) True: it trains on rollouts of its own policy (PPO: rollouts, scoring, updates), so
+                   lm_jax.rlhf.ppo.train runs it (main.py picks it), not train.train
 
 A test (or a user's script) can register its own objective with `register` and train it through the
 unchanged trainer.

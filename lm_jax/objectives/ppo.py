@@ -1,10 +1,10 @@
-"""PPO from a reward (InstructGPT's third step, Ouyang et al. 2022): an objective with a loop of its own,
-lm_jax.rlhf.ppo.train, which train.train hands the run to. Its data fields are the causal LM's: the pre-training
-stream of PPO-ptx (config.ppo.ptx_coef > 0) read from config.data like a clm run."""
+"""PPO from a reward (InstructGPT's third step, Ouyang et al. 2022): the config checks of an objective that trains
+on its own rollouts (rollouts=True), so its trainer is lm_jax.rlhf.ppo.train (main.py runs it), which builds on
+this registry and lm_jax.train; nothing here imports lm_jax.rlhf. Its data fields are the causal LM's: the
+pre-training stream of PPO-ptx (config.ppo.ptx_coef > 0) read from config.data like a clm run."""
 from lm_jax.data import instructions
-from lm_jax.objectives import clm
+from lm_jax.objectives import clm, rewards
 from lm_jax.objectives.registry import Lengths, Objective, no_transform
-from lm_jax.rlhf import rewards
 
 
 def _require(ok, message):
@@ -45,11 +45,6 @@ def lengths(config):
   return Lengths(inputs=p.prompt_len + p.max_new_tokens, targets=0, scored=p.max_new_tokens)
 
 
-def _loop(config, workdir, *, devices=None):
-  from lm_jax.rlhf import ppo   # the loop builds on the trainer, which imports this registry
-  return ppo.train(config, workdir, devices=devices)
-
-
 OBJECTIVE = Objective(name="ppo", layouts=("decoder",), check=check, lengths=lengths, rows=clm.row_layout,
                       transform=no_transform, features=clm.features, denominators=clm.denominators, loss=clm.loss,
-                      loop=_loop)
+                      rollouts=True)

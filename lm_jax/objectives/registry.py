@@ -23,7 +23,7 @@ class Objective:
   predict_texts: Callable | None = None  # (config, params, tokenizer, split) -> {index, prediction (texts), target,
                                          # exact_match} when predictions are decoded texts, else None
   added_tokens: int = 0  # special tokens appended to the pre-trained vocabulary (init_from.resolve)
-  loop: Callable | None = None     # (config, workdir, *, devices) -> result: a trainer of its own (PPO)
+  rollouts: bool = False  # trains on rollouts of its own policy (PPO): lm_jax.rlhf.ppo.train runs it, not train.train
 
   def tokens_per_example(self, config) -> int:
     lengths = self.lengths(config)

@@ -15,7 +15,8 @@ import pathlib
 import sys
 import time
 
-from lm_jax import config_lib, flops, objectives
+from lm_jax import config_lib, flops, metrics_log, objectives, train
+from lm_jax.data import tokenizer
 
 CONFIG_FILE = pathlib.Path(__file__).resolve().parents[2] / "configs" / "gpt1.py"
 COLUMNS = ("budget", "N", "D", "C", "flops", "loss", "layers", "d_model", "steps", "seconds")
@@ -53,13 +54,11 @@ def matmul_params(m):
 
 def shared_tokenizer(config, workdir):
   """Train the tokenizer once into workdir and point every run at it."""
-  from lm_jax.data import tokenizer
   tokenizer.load_or_train(config, workdir)
   config.data.tokenizer = sorted(glob.glob(os.path.join(workdir, "tokenizer_*.model")))[0]
 
 
 def final_eval_loss(run_dir, steps):
-  from lm_jax import metrics_log
   records = [r for r in metrics_log.read(os.path.join(run_dir, "metrics.jsonl")) if "eval_loss" in r]
   return records[-1]["eval_loss"] if records and records[-1]["step"] == steps else None
 
@@ -79,7 +78,6 @@ def plan(config, budgets, sizes, min_steps):
 
 def run_sweep(workdir, budgets, sizes, *, min_steps=20, log=sys.stderr, **data_and_optim):
   """Trains every planned run (trainer output -> log) and writes workdir/runs.csv. Returns the rows."""
-  from lm_jax import train
   os.makedirs(workdir, exist_ok=True)
   config = base_config(**data_and_optim)
   with contextlib.redirect_stdout(log):

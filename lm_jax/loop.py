@@ -1,0 +1,138 @@
+"""The schedules every training loop shares, written once: lm_jax.train runs its jitted steps on them and
+lm_jax.rlhf.ppo its PPO iterations.
+
+A step's outputs are a new state and its metrics. The loop keeps the metrics on device and fetches them every
+config.log_every steps (and before each checkpoint, so nothing non-finite is ever saved): between logs it never
+waits for the device. It writes the log record and console line, evaluates every config.eval_every steps (offering
+each eval to the best-checkpoint hook), checkpoints every config.checkpoint_every steps, at the end and on SIGTERM,
+and says where a run resumed.
+
+Throughput is the steps' wall time over the window since the last log, with evaluations and saves left out. A pause
+first waits for the steps still queued on the device: their time is step time, not pause (without the wait, an
+eval's window would report the queued steps' work done in no time).
+
+Dependencies: checkpoint and metrics_log; the trainers (train, rlhf) build on this module.
+"""
+import contextlib
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import jax
+
+from lm_jax import checkpoint, metrics_log
+
+
+def say(line: str):
+  """Console output from process 0 only (every host runs the loop)."""
+  if jax.process_index() == 0:
+    print(line, flush=True)
+
+
+def resume(restored: checkpoint.Restored, directory, data_it=None, unit: str = "step") -> int:
+  """Puts data_it (None: a loop without a data stream) where the restored run left it, or says why it starts fresh,
+  and prints where the run resumed. Returns the restored step."""
+  changes = restored.data_changes if data_it else []
+  if data_it and restored.data_state is not None and "shards" not in restored.data_state:
+    changes = ["data-iterator state of an older lm_jax"]
+  if changes:
+    say(f"resumed {unit} {restored.step}; data config changed ({'; '.join(changes)}): fresh data iterator")
+  else:
+    if data_it and restored.data_state:
+      data_it.set_state(restored.data_state)
+    say(f"resumed {unit} {restored.step} from {directory}")
+  return restored.step
+
+
+class Meter:
+  """The steps since the last log: their metrics (device arrays until fetched) and wall time, pauses left out."""
+
+  def __init__(self, step: int):
+    self.first_step, self.pending, self.start, self.paused = step, [], time.perf_counter(), 0.0
+
+  def fetch(self) -> list[dict]:
+    return [{k: float(v) for k, v in m.items()} for m in jax.device_get(self.pending)]
+
+  def seconds_per_step(self) -> float:
+    return (time.perf_counter() - self.start - self.paused) / len(self.pending)
+
+  @contextlib.contextmanager
+  def pause(self):
+    """Times the block as pause, after the queued steps have finished (they are step time)."""
+    jax.block_until_ready(self.pending)
+    start = time.perf_counter()
+    yield
+    self.paused += time.perf_counter() - start
+
+
+def check_finite(host: list[dict], first_step: int, mngr, unit: str = "step"):
+  """Raises before anything non-finite can be logged as fine or saved (host: the metrics of steps first_step+1...)."""
+  for i, metrics in enumerate(host):
+    bad = [f"{k} ({v})" for k, v in metrics.items() if not math.isfinite(v)]
+    if bad:
+      checkpoint.finish(mngr)
+      raise FloatingPointError(f"non-finite {', '.join(bad)} at {unit} {first_step + i + 1}; not saved. Last good "
+                               f"checkpoint: {unit} {mngr.latest_step()}")
+
+
+@dataclasses.dataclass
+class Schedules:
+  """A trainer's part in the schedules; records and eval results come without their step, which run() adds."""
+  config: object
+  mngr: object                  # the run's checkpoint manager (check_finite reports its latest step)
+  log: metrics_log.MetricsLog
+  record: Callable              # (host metrics of the window's steps, seconds per step) -> the log record
+  save: Callable                # (step, state) -> None: the step's checkpoint(s)
+  data_state: Callable = dict   # () -> the data position the best checkpoint keeps
+  evaluate: Callable | None = None   # state -> eval record
+  best: checkpoint.Best | None = None
+  unit: str = "step"            # what the messages count: step, iteration
+
+
+def run(s: Schedules, step: Callable, state, start: int, end: int) -> tuple[object, dict]:
+  """state, metrics = step(state, i) for i = start+1 .. end on the schedules -> (state, {'step', 'train': last log
+  record, 'eval': last eval record})."""
+  c, unit = s.config, s.unit
+  result, meter = {"step": start, "train": None, "eval": None}, Meter(start)
+  if start >= end:
+    say(f"nothing to do: checkpoint {unit} {start} >= end {unit} {end}")
+  with checkpoint.Preemption() as preemption:
+    for i in range(start + 1, end + 1):
+      state, metrics = step(state, i)
+      checkpoint.check_save(s.mngr)   # a background save that failed stops the run now, in one line
+      meter.pending.append(metrics)
+      last, log_now = i == end, i % c.log_every == 0 or i == end or i == 1  # step 1: loss right after compiling
+      stop = preemption.any_process() if (log_now or jax.process_count() == 1) else False
+      if log_now:
+        host, seconds = meter.fetch(), meter.seconds_per_step()
+        check_finite(host, meter.first_step, s.mngr, unit)
+        result["train"] = {"step": i, **s.record(host, seconds)}
+        s.log.write(result["train"])
+        say(metrics_log.console(result["train"], end, seconds))
+        meter = Meter(i)
+      evaluate_now = s.evaluate is not None and (i % c.eval_every == 0 or last)
+      save_now = i % c.checkpoint_every == 0 or last or stop
+      if evaluate_now or save_now:
+        with meter.pause():
+          if evaluate_now:
+            result["eval"] = _evaluate(s, state, i, end)
+          if save_now:
+            check_finite(meter.fetch(), meter.first_step, s.mngr, unit)
+            s.save(i, state)
+      result["step"] = i
+      if stop:
+        say(f"SIGTERM: saved {unit} {i}, exiting")
+        break
+  if s.best:
+    s.best.close()
+  return state, result
+
+
+def _evaluate(s: Schedules, state, i: int, end: int) -> dict:
+  record = {"step": i, **s.evaluate(state)}
+  s.log.write(record)
+  say(metrics_log.console(record, end))
+  if s.best and s.best.offer(record, state, s.data_state(), s.config):
+    say(f"best {s.best.metric} so far: {s.unit} {i}, kept in {s.best.dir}")
+  return record
