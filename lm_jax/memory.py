@@ -6,7 +6,7 @@ params, optimizer state: exact. The train state's abstract params and optimizer 
   placed by the trainer's own rules (sharding.logical_to_sharding, opt_state_sharding) on an AbstractMesh of the
   requested sizes; bytes = sum of shard sizes, also shown per parameter (NF4-quantised weights, lm_jax.models.nf4,
   count as the weights they stand for: ~0.516 bytes each).
-gradients: float32 copy of the trainable params' shards (step.py casts them; finetune.trainable_mask: frozen
+gradients: float32 copy of the trainable params' shards (step.py casts them; params.trainable_mask: frozen
   params, LoRA's base and its NF4 weights get none), twice with microbatches (accumulator plus the current
   microbatch's gradient).
 activations: analytic, what the backward pass keeps per layer (Korthikanti et al. 2022, "Reducing
@@ -34,7 +34,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AbstractMesh
 
-from lm_jax import config_lib, finetune, models, objectives, sharding, step
+from lm_jax import config_lib, models, objectives, params as params_lib, sharding, step
 from lm_jax.models import layers, t5
 from lm_jax.models import nf4
 
@@ -170,8 +170,8 @@ def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
   params_sh, abstract_opt, opt_sh = state_sh["params"], abstract["opt_state"], state_sh["opt_state"]
 
   params, param_count = param_bytes(abstract["params"], params_sh)
-  mask = finetune.trainable_mask(config)
-  trainable = param_bytes(finetune.split(abstract["params"], mask)[0], finetune.split(params_sh, mask)[0])[1]
+  mask = params_lib.trainable_mask(config)
+  trainable = param_bytes(params_lib.split(abstract["params"], mask)[0], params_lib.split(params_sh, mask)[0])[1]
   grads = 4 * trainable * (2 if config.microbatches > 1 else 1)
   rows = -(-config.batch_size // (config.microbatches * _mesh_size(rules, sizes, "batch")))
   div = {name: _mesh_size(rules, sizes, name) for name in ("heads", "mlp", "vocab")}

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from lm_jax import finetune
+from lm_jax import params as params_lib
 
 OPTIMIZERS = ("bert_adamw", "adam_l2", "adafactor", "adamw")
 SCHEDULES = ("linear", "cosine", "rsqrt", "constant")
@@ -118,9 +118,9 @@ def scale_updates(scales) -> optax.GradientTransformation:
 
 def make(config, logical_axes):
   """Returns (optax transformation, lr schedule) for config.optimizer; logical_axes from lm_jax.models. The
-  transformation is over the trainable params only (finetune.split by config.finetune.freeze), with
-  config.finetune.layer_decay's per-layer learning rates when it is below 1."""
-  logical_axes = finetune.split(logical_axes, finetune.trainable_mask(config))[0]
+  transformation is over the trainable params only (params.trainable_mask), with config.finetune.layer_decay's
+  per-layer learning rates when it is below 1."""
+  logical_axes = params_lib.split(logical_axes, params_lib.trainable_mask(config))[0]
   opt = config.optimizer
   if opt.name not in OPTIMIZERS:
     raise ValueError(f"config.optimizer.name={opt.name!r} unknown; use one of {', '.join(OPTIMIZERS)}")
@@ -133,7 +133,7 @@ def make(config, logical_axes):
   else:
     tx = adam(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, decay_mask(logical_axes), opt.clip_norm,
               bias_correction=opt.name != "bert_adamw")
-  layer_decay = finetune.layer_decay(config)
+  layer_decay = params_lib.layer_decay(config)
   if layer_decay != 1.0:
     tx = optax.chain(tx, scale_updates(layer_lr_scales(logical_axes, config.model.num_layers, layer_decay)))
   return tx, lr

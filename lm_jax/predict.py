@@ -6,9 +6,8 @@ import string
 import jax
 import numpy as np
 
-from lm_jax import evaluate, sharding, step
+from lm_jax import evaluate, params as params_lib, sharding, step
 from lm_jax.data import pipeline
-from lm_jax.peft import lora
 
 
 def eval_outputs(eval_step, params, batches: list, mesh) -> list:
@@ -52,7 +51,7 @@ def predict(s, params, workdir: str) -> tuple[str, dict]:
   c.data.eval_split, c.data.eval_batches = c.task.test_split, 0
   safe = "".join(ch if ch in string.ascii_letters + string.digits + "-_" else "_" for ch in c.task.test_split)
   path = os.path.join(workdir, f"predictions_{safe}.tsv")
-  texts = s.objective.predict_texts(c, lora.materialize(c, params), s.tokenizer, c.task.test_split) \
+  texts = s.objective.predict_texts(c, params_lib.materialize(c, params), s.tokenizer, c.task.test_split) \
       if s.objective.predict_texts else None
   if texts is not None:   # decoded texts (free-form T5 targets): tabs and newlines inside them become spaces
     clean = lambda t: " ".join(t.split())

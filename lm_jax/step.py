@@ -9,23 +9,22 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import finetune, optim, sharding
-from lm_jax.peft import lora
+from lm_jax import optim, params as params_lib, sharding
 
 
 def init_state(params, tx, trainable=None) -> dict:
-  """trainable: finetune.trainable_mask (None = every param trains); frozen params get no optimizer state."""
-  return {"params": params, "opt_state": tx.init(finetune.split(params, trainable)[0]),
+  """trainable: params.trainable_mask (None = every param trains); frozen params get no optimizer state."""
+  return {"params": params, "opt_state": tx.init(params_lib.split(params, trainable)[0]),
           "step": jnp.zeros((), jnp.int32)}
 
 
 def state_layout(config, mesh, rules):
   """(optimizer, lr schedule, abstract train state, its shardings on `mesh`), allocating nothing."""
-  logical = lora.logical_axes(config)   # the model's, plus LoRA adapters when config.lora.rank > 0
+  logical = params_lib.logical_axes(config)   # the model's, plus the adapters of an adapter method
   tx, lr = optim.make(config, logical)
-  abstract_params = lora.abstract_params(config)
+  abstract_params = params_lib.abstract(config)
   params_sh = sharding.logical_to_sharding(logical, mesh, rules)
-  trainable = finetune.trainable_mask(config)
+  trainable = params_lib.trainable_mask(config)
   abstract = jax.eval_shape(lambda p: init_state(p, tx, trainable), abstract_params)
   opt_sh = sharding.opt_state_sharding(abstract["opt_state"], abstract_params, params_sh, mesh)
   return tx, lr, abstract, {"params": params_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
@@ -34,8 +33,8 @@ def state_layout(config, mesh, rules):
 def fresh_state(config, tx, state_sharding) -> dict:
   """Fresh train state, initialised directly into its shardings."""
   key = jax.random.fold_in(jax.random.key(config.seed), 0)
-  trainable = finetune.trainable_mask(config)
-  init = lambda k: init_state(lora.init_params(config, k), tx, trainable)
+  trainable = params_lib.trainable_mask(config)
+  init = lambda k: init_state(params_lib.init(config, k), tx, trainable)
   return jax.jit(init, out_shardings=state_sharding)(key)
 
 
@@ -50,22 +49,22 @@ def _split(batch, n, mesh):
 
 def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
   """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars. Only the
-  trainable params (config.finetune.freeze, or LoRA's adapters) are differentiated and updated; frozen ones pass
-  through as they are. LoRA adapters run unmerged beside their frozen kernels (lora.unmerged), NF4 kernels
-  dequantised inside their matmuls."""
+  trainable params (params.trainable_mask) are differentiated and updated; frozen ones pass through as they are.
+  Adapters run unmerged beside their frozen kernels (params.running), NF4 kernels dequantised inside their
+  matmuls."""
   n = config.microbatches
   seed_key = jax.random.key(config.seed)
-  trainable_mask = finetune.trainable_mask(config)
+  trainable_mask = params_lib.trainable_mask(config)
 
   def loss_fn(params, frozen, batch, den, rng):
-    full = finetune.merge(params, frozen)
-    with lora.unmerged(config, train=True):
+    full = params_lib.merge(params, frozen)
+    with params_lib.running(config, train=True):
       return objective.loss(config, full, batch, den, rng=rng, train=True)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def step(state, batch):
-    params, frozen = finetune.split(state["params"], trainable_mask)
+    params, frozen = params_lib.split(state["params"], trainable_mask)
     den = objective.denominators(batch)
     rng = jax.random.fold_in(seed_key, state["step"])
     f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
@@ -84,7 +83,7 @@ def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = jnp.asarray(lr_schedule(state["step"]), jnp.float32)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
-    new_params = finetune.merge(optax.apply_updates(params, updates), frozen)
+    new_params = params_lib.merge(optax.apply_updates(params, updates), frozen)
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
     return new_state, metrics
 
@@ -99,7 +98,7 @@ def make_eval_step(config, objective, params_sharding, mesh):
   totals."""
   def step(params, batch):
     den = objective.denominators(batch)
-    with lora.unmerged(config, train=False):   # as in training: a LoRA DPO run's reference is its base
+    with params_lib.running(config, train=False):   # as in training: an adapter DPO run's reference is its base
       _, metrics = objective.loss(config, params, batch, den, rng=None, train=False)
       outputs = objective.predict(config, params, batch) if objective.predict else {}
     return (*jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), (metrics, den)), outputs)

@@ -12,10 +12,10 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import Mesh
 
-from lm_jax import (checkpoint, config_lib, finetune, hardware, init_from, loop, metrics_log, objectives, predict,
-                    sharding, step)
+from lm_jax import (checkpoint, config_lib, hardware, init_from, loop, metrics_log, objectives, params as params_lib,
+                    predict, sharding, step)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
-from lm_jax.peft import lora
+from lm_jax.hf import export
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def train(config, workdir: str, *, devices=None) -> dict:
     raise ValueError(f"config.objective={config.objective!r} trains on rollouts: lm_jax.rlhf.ppo.train runs it "
                      "(python -m lm_jax.main picks it)")
   s = setup(config, workdir, devices)
-  trainable, total = finetune.trainable_count(s.config)
+  trainable, total = params_lib.count(s.config)
   loop.say(f"parameters: {trainable:,} trainable of {total:,}")
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
   train_it = _hosts("train", s)
@@ -148,19 +148,17 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
 
 def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = False):
   """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf).
-  A LoRA run writes its base model there and its adapters in the PEFT format to export_dir/adapter, or with
-  `merged` the model with the adapters merged in."""
-  from lm_jax.hf import export
-  from lm_jax.peft import peft_format
+  An adapter run (LoRA, IA³) writes its base model there and its adapters in the PEFT format to export_dir/adapter,
+  or with `merged` the model with the adapters merged in."""
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     params = jax.device_get(params)
-    plain = jax.device_get(lora.merged(s.config, params)) if merged else lora.base(s.config, params)
+    plain = jax.device_get(params_lib.merged(s.config, params)) if merged else params_lib.base(s.config, params)
     export.save_hf(s.config.model, plain, export_dir, tokenizer=s.tokenizer)
-    if lora.enabled(s.config) and not merged:
-      peft_format.save(s.config, params, os.path.join(export_dir, "adapter"))
+    if not merged:
+      params_lib.save_adapter(s.config, params, os.path.join(export_dir, "adapter"))
   loop.say(f"exported step {latest} to {export_dir}")
   return export_dir

@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lm_jax import (config_lib, defaults, evaluate, finetune, init_from, metrics_log, models, objectives, optim,
+from lm_jax import (config_lib, defaults, evaluate, init_from, metrics_log, models, objectives, optim, params,
                     predict, train)
 from lm_jax.data import pipeline, records, tasks, tfds_prepare, tokenizer as tokenizer_lib
 from lm_jax.hf import export
@@ -273,7 +273,7 @@ def test_trainable_count_is_the_hand_count():
   total = embeddings + n * layer + head
   for frozen_layers in (0, 1, 2):
     c.finetune.freeze = ("embeddings", *[f"layers_{i}/" for i in range(frozen_layers)])
-    assert finetune.trainable_count(c) == (total - embeddings - frozen_layers * layer, total)
+    assert params.count(c) == (total - embeddings - frozen_layers * layer, total)
 
 
 def test_freeze_and_init_errors_name_the_field(tiny_hf, sst2):

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from lm_jax import decoding, defaults, hf, models, train
+from lm_jax import decoding, defaults, hf, models, params as params_lib, train
 from lm_jax.hf import export
-from lm_jax.peft import lora, peft_format
+from lm_jax.peft import lora
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -53,7 +53,7 @@ def random_params(config, seed=0):
   std = {"b": 0.3}
   draw = lambda path, a: (std.get(path[-1].key, 0.1) * rng.standard_normal(a.shape)
                           + path[-1].key.endswith("scale")).astype(np.float32)
-  return jax.tree_util.tree_map_with_path(draw, lora.abstract_params(config))
+  return jax.tree_util.tree_map_with_path(draw, params_lib.abstract(config))
 
 
 def batch(family, rows=2, length=8, seed=0):
@@ -69,7 +69,7 @@ def batch(family, rows=2, length=8, seed=0):
 def forward(config):
   """Jitted (run params, batch) -> (logits, hidden, the plain params the model ran)."""
   def f(params, b):
-    plain = lora.materialize(config, params)
+    plain = params_lib.materialize(config, params)
     out = models.apply(config.model, plain, b)
     return out["logits"], out["hidden"], plain
   return jax.jit(f)
@@ -78,7 +78,7 @@ def forward(config):
 def forward_unmerged(config, train=False):
   """Jitted (run params, batch[, rng]) -> (logits, hidden) through the training path: adapters beside the kernels."""
   def f(params, b, rng=None):
-    with lora.unmerged(config, train=train):
+    with params_lib.running(config, train=train):
       out = models.apply(config.model, params, b, rng=rng, train=train)
     return out["logits"], out["hidden"]
   return jax.jit(f)
@@ -114,9 +114,9 @@ def test_peft_parity_both_ways(family, tmp_path):
   config = run_config(family)
   params = random_params(config)
   run, b = forward(config), batch(family)
-  base = lora.base(config, params)
+  base = params_lib.base(config, params)
   export.save_hf(config.model, base, str(tmp_path / "base"))
-  peft_format.save(config, params, str(tmp_path / "adapter"))
+  params_lib.save_adapter(config, params, str(tmp_path / "adapter"))
 
   # ours -> PEFT: adapted outputs equal PeftModel's, our merge equals merge_and_unload
   adapted = load_peft(load_hf(family, str(tmp_path / "base")), str(tmp_path / "adapter"))
@@ -147,19 +147,19 @@ def test_peft_parity_both_ways(family, tmp_path):
     config.lora.targets = ("attention/(query|key|value)/",)
   config.lora.init_from = str(tmp_path / "theirs")
   pretrained = export.load_hf(str(tmp_path / "base"), scan_layers=config.model.scan_layers)[1]
-  imported = lora.prepare(config, pretrained)
+  imported = params_lib.prepare(config, pretrained)
   close(forward(config)(imported, b)[:2] if family == "gpt" else run(imported, b)[:2], theirs(peft_model, b))
   if family == "bert":   # an adapter file without the kernels the run targets is an error, not a silent zero
     config.lora.targets = ("attention/(query|value|key|out)/",)
     with pytest.raises(ValueError, match=r"no adapter for bert\.encoder\.layer\.0\.attention\.self\.key"):
-      lora.prepare(config, pretrained)
+      params_lib.prepare(config, pretrained)
 
 
 def test_init_merge_unmerge_and_config_errors():
   looped, scanned = run_config("gpt", rank=8), run_config("gpt", rank=8)
   looped.model.scan_layers = False
-  a = jax.device_get(jax.jit(lambda k: lora.init_adapters(looped, k))(jax.random.key(3)))
-  s = jax.device_get(jax.jit(lambda k: lora.init_adapters(scanned, k))(jax.random.key(3)))
+  a = jax.device_get(jax.jit(lambda k: lora.init(looped, k))(jax.random.key(3)))
+  s = jax.device_get(jax.jit(lambda k: lora.init(scanned, k))(jax.random.key(3)))
   for layer in range(2):   # the same init in either layout
     np.testing.assert_array_equal(a[f"layers_{layer}"]["attention"]["query"]["a"],
                                   s["layers"]["attention"]["query"]["a"][layer])
@@ -170,7 +170,7 @@ def test_init_merge_unmerge_and_config_errors():
   params = random_params(looped)
   merged = jax.jit(lambda p: lora.merge(p, p[lora.KEY], lora.scale(looped)))(params)
   back = jax.jit(lambda m, ad: lora.unmerge(m, ad, lora.scale(looped)))(merged, params[lora.KEY])
-  base = lora.base(looped, params)
+  base = params_lib.base(looped, params)
   assert "lora" not in merged and jax.tree.structure(back) == jax.tree.structure(base)
   for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(base)):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
@@ -184,10 +184,10 @@ def test_init_merge_unmerge_and_config_errors():
     group, name = field.split(".")
     c[group][name] = value
     with pytest.raises(ValueError, match=message):
-      lora.check(c)
+      params_lib.check(c)
   c = run_config("gpt", targets=("layers_0/attention/query",))
   with pytest.raises(ValueError, match="some layers of a scanned stack"):
-    lora.check(c)
+    params_lib.check(c)
 
 
 def test_lora_dropout_drops_only_the_adapter_input():
@@ -208,7 +208,7 @@ def test_lora_dropout_drops_only_the_adapter_input():
   assert np.abs(train(params, b, k1)[0] - train(params, b, k2)[0]).max() > 1e-3
   np.testing.assert_array_equal(train(params, b, k1)[0], train(params, b, k1)[0])
   with pytest.raises(ValueError, match="were never applied"):
-    with lora.unmerged(config, train=False):
+    with params_lib.running(config, train=False):
       pass
 
 
@@ -219,16 +219,16 @@ def test_decoding_with_adapters_equals_peft_generate(tmp_path):
   prompts = [[5, 17, 33, 2], [44, 3, 9, 60]]
   with pytest.raises(ValueError, match="params hold LoRA adapters"):
     decoding.generate(config.model, params, prompts, max_new_tokens=6)
-  ours = decoding.generate(config.model, lora.materialize(config, params), prompts, max_new_tokens=6)
+  ours = decoding.generate(config.model, params_lib.materialize(config, params), prompts, max_new_tokens=6)
   merged = jax.device_get(lora.merge(params, params[lora.KEY], lora.scale(config)))
   assert decoding.generate(config.model, merged, prompts, max_new_tokens=6) == ours
-  export.save_hf(config.model, lora.base(config, params), str(tmp_path / "base"))
-  peft_format.save(config, params, str(tmp_path / "adapter"))
+  export.save_hf(config.model, params_lib.base(config, params), str(tmp_path / "base"))
+  params_lib.save_adapter(config, params, str(tmp_path / "adapter"))
   model = load_peft(load_hf("gpt", str(tmp_path / "base")), str(tmp_path / "adapter"))
   with torch.no_grad():
     out = model.generate(input_ids=torch.tensor(prompts), max_new_tokens=6, do_sample=False, pad_token_id=0)
   assert out[:, 4:].tolist() == ours
-  base = decoding.generate(config.model, lora.base(config, params), prompts, max_new_tokens=6)
+  base = decoding.generate(config.model, params_lib.base(config, params), prompts, max_new_tokens=6)
   assert base != ours
 
 
@@ -297,7 +297,7 @@ MESH_SCRIPT = textwrap.dedent("""
       c = _config("clm", mesh=dict(data=mesh[0], fsdp=mesh[1], tensor=mesh[2]))
       c.model.update(scan_layers=True, num_layers=2)
       c.lora.update(rank=4, targets=("attention/(query|value)/", "mlp/"))
-      c.qlora = True
+      c.lora.qlora = True
       devices = jax.devices()[:int(np.prod(mesh))]
       m = sharding.make_mesh(c, devices)
       tx, lr, _, sh = step.state_layout(c, m, sharding.RULES)
@@ -333,7 +333,7 @@ def test_qlora_on_a_sharded_mesh_gives_the_single_device_loss():
 
 
 def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):
-  """config.qlora: the frozen kernels are stored as NF4 (~4.127 bits), stay bit-identical through train steps that
+  """config.lora.qlora: the frozen kernels are stored as NF4 (~4.127 bits), stay bit-identical through train steps that
   change the adapters, hold no optimizer state; the model runs the dequantised base + adapters, which a PEFT
   export (the dequantised base + adapter/) reproduces."""
   from flax import linen as nn
@@ -343,7 +343,7 @@ def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):
   config = _config("clm", total_steps=3)
   config.model.update(d_ff=128, num_layers=2)
   config.lora.update(rank=4, targets=("attention/(query|value)/",))
-  config.qlora = True
+  config.lora.qlora = True
   lora.check(config)
   mesh = sharding.make_mesh(config)
   tx, lr, _, sh = step.state_layout(config, mesh, sharding.RULES)
@@ -363,8 +363,8 @@ def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):
   assert not np.array_equal(before["lora"]["layers_0"]["attention"]["query"]["b"],
                             after["lora"]["layers_0"]["attention"]["query"]["b"])
   assert set(jax.device_get(state["opt_state"]).mu) == {"lora"}
-  export.save_hf(config.model, lora.base(config, after), str(tmp_path / "base"))
-  peft_format.save(config, after, str(tmp_path / "adapter"))
+  export.save_hf(config.model, params_lib.base(config, after), str(tmp_path / "base"))
+  params_lib.save_adapter(config, after, str(tmp_path / "adapter"))
   adapted = load_peft(load_hf("gpt", str(tmp_path / "base")), str(tmp_path / "adapter"))
   b = {k: v for k, v in batch("gpt").items()}
   close(forward(config)(after, b)[:2], theirs(adapted, b))

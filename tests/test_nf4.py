@@ -169,10 +169,10 @@ def test_memory_report_counts_nf4_weights_as_the_params_they_stand_for():
 
 def test_memory_estimate_of_a_qlora_run():
   from lm_jax import memory
-  from lm_jax.peft import lora
-  config = config_lib.load("configs/finetune/bert.py:tiny", {"lora.rank": 8, "qlora": True})
+  from lm_jax import params
+  config = config_lib.load("configs/finetune/bert.py:tiny", {"lora.rank": 8, "lora.qlora": True})
   est = memory.estimate(config, mesh=(1, 1, 1))
-  trainable, total = lora.count(config)
+  trainable, total = params.count(config)
   assert est.param_count == total and est.grads == 4 * trainable
   plain = memory.estimate(config_lib.load("configs/finetune/bert.py:tiny", {"lora.rank": 8}), mesh=(1, 1, 1))
   assert plain.param_count == total and est.params < plain.params

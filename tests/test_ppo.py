@@ -325,7 +325,7 @@ def test_ppo_with_qlora_trains_only_adapters_and_chains_merged(overrides, compil
   from lm_jax import init_from, sharding
   from lm_jax.models import nf4
   from lm_jax.peft import lora
-  fields = {**overrides, "total_steps": 8, "ppo.ptx_coef": 0.0, "lora.rank": 8, "lora.alpha": 16.0, "qlora": True,
+  fields = {**overrides, "total_steps": 8, "ppo.ptx_coef": 0.0, "lora.rank": 8, "lora.alpha": 16.0, "lora.qlora": True,
             "lora.targets": ("attention/(query|value)/", "mlp/"), "optimizer.lr": 1e-2}
   config = config_lib.load("configs/rlhf/ppo.py:tiny", fields)
   run = ppo.build(config, str(tmp_path / "build"))

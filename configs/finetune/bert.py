@@ -8,7 +8,8 @@ Variants: a GLUE task (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli; TFDS 
 on the offline SST-2 files, from scratch or --init_from a configs/bert.py:tiny run), minilm_sst2 (the real
 all-MiniLM-L6-v2 on the offline SST-2, sized for a CPU: seq 48, 60 steps), minilm_sst2_lora / minilm_sst2_qlora (the
 same with LoRA r=8, alpha 16 on the attention query / value kernels, the base frozen (QLoRA: stored as NF4);
-docs/lora.md).
+docs/lora.md), minilm_sst2_ia3 (the same with IA³ vectors where PEFT's IA3Config puts them for BERT: the key and
+value outputs, the inputs of the attention output and FFN output projections).
 The offline SST-2 is $LM_JAX_DATA/sst2/{train,dev,test}.tsv (sentence<TAB>label, no header).
 """
 import math
@@ -52,7 +53,7 @@ def _schedule(c, examples: int, epochs: float):
 
 
 def get_config(arg="sst2"):
-  known = (*GLUE, "tiny", "minilm_sst2", "minilm_sst2_lora", "minilm_sst2_qlora")
+  known = (*GLUE, "tiny", "minilm_sst2", "minilm_sst2_lora", "minilm_sst2_qlora", "minilm_sst2_ia3")
   if arg not in known:
     raise ValueError(f"configs/finetune/bert.py: unknown variant {arg!r}; use {', '.join(known)}")
   c = defaults.base_config()
@@ -103,9 +104,16 @@ def get_config(arg="sst2"):
   c.optimizer.lr = 1e-4                 # a small model and a short run: above BERT-base's 2e-5..5e-5
   c.total_steps, c.optimizer.warmup_steps = 60, 6
   c.log_every, c.eval_every, c.checkpoint_every = 10, 60, 60
-  if arg != "minilm_sst2":   # LoRA (Hu et al. 2022 §4): r=8 on query / value; only adapters and classifier train
+  if arg == "minilm_sst2_ia3":   # IA³ (Liu et al. 2022): only the vectors and the classifier train
+    # PEFT's BERT default: target_modules key, value, output.dense (which also names attention.output.dense), all
+    # output.dense feedforward, i.e. input-scaled.
+    c.ia3.targets = ("attention/(key|value|out)/", "mlp/wo/")
+    c.ia3.feedforward = ("attention/out/", "mlp/wo/")
+    c.optimizer.lr = 3e-3   # T-Few's lr for its IA³ vectors (Liu et al. 2022)
+    c.optimizer.weight_decay = 0.0   # decay would pull the vectors towards 0, not towards their init of 1
+  elif arg != "minilm_sst2":   # LoRA (Hu et al. 2022 §4): r=8 on query / value; only adapters and classifier train
     c.lora.rank, c.lora.alpha, c.lora.targets = 8, 16.0, ("attention/(query|value)/",)
-    c.qlora = arg == "minilm_sst2_qlora"
+    c.lora.qlora = arg == "minilm_sst2_qlora"
     # Adapters take a larger lr; LoRA: 0.82 dev accuracy after the 60 steps (bench/README.md). bert_adamw has no bias
     # correction, so over 60 steps its updates are 3-6.6x a bias-corrected AdamW's at the same lr: with
     # optimizer.name=adamw this lr leaves the dev accuracy at 0.51.

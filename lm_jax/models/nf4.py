@@ -31,6 +31,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 # bitsandbytes' get_4bit_type("nf4"): quantiles of N(0, 1) normalised to [-1, 1], with an exact 0 (QLoRA §3).
 NF4_VALUES = np.array([
@@ -202,6 +203,17 @@ def matmul(x: jax.Array, q: NF4, contract, dtype) -> jax.Array:
 
 def is_nf4(x) -> bool:
   return isinstance(x, NF4)
+
+
+def logical_axes(q: NF4, spec):
+  """Logical specs (PartitionSpecs) of q's parts, given `spec`, the float kernel's: the 4-bit codes and 8-bit
+  absmax, flat in row-major order, split as the kernel's first input axis is (whole rows per shard, as the float
+  kernel's would be); the few statistics left replicated. A scanned stack's leading layer axis stays one."""
+  lead = tuple(spec[:len(layers(q))])
+  first = spec[len(lead)]
+  return dataclasses.replace(q, codes=P(*lead, first), absmax=P(*lead, first),
+                             absmax_scale=None if q.absmax_scale is None else P(*lead, None),
+                             absmax_mean=None if q.absmax_mean is None else P(*lead))
 
 
 def dequantize_tree(tree, dtype=None):

@@ -8,24 +8,31 @@ import flax.linen as nn
 from lm_jax.models import layers, nf4
 
 _ADAPTER = contextvars.ContextVar("lm_jax_adapter", default=None)
-ADAPTERS = layers.ADAPTERS   # the params key (and variable collection) of adapters, mirroring their Dense modules
+ADAPTERS = layers.ADAPTERS   # the variable collection of adapters, mirroring the paths of their Dense modules
+# The top-level params keys adapters live under, one per PEFT method (lm_jax/peft/*.py KEY), with the method's
+# name: params holding one are refused outside `adapter`, where the model would ignore them.
+ADAPTER_KEYS = {"lora": "LoRA", "ia3": "IA³"}
 
 
 @contextlib.contextmanager
-def adapter(fn):
-  """Within it, `apply` runs params holding adapters under ADAPTERS: they become a variable collection (scanned
-  with their layers) and each layers.Dense that has some returns fn(module, x, y) instead of its output y. This is
-  how LoRA's x·A·B path (lm_jax/peft/lora.py) runs without a model that knows about it."""
+def adapter(fn, key: str):
+  """Within it, `apply` runs params holding adapters under params[key]: they become the ADAPTERS collection
+  (scanned with their layers) and each layers.Dense that has some returns fn(module, x, dense) instead of
+  dense(x), its plain output; `module.get_variable(ADAPTERS, name)` reads its adapters. So a method adds to the
+  output (LoRA's x·W + s·x·A·B), scales it, or scales the input (IA³) without a model that knows about it."""
+  if key not in ADAPTER_KEYS:
+    raise ValueError(f"models.adapter: {key!r} is not one of the adapter keys {tuple(ADAPTER_KEYS)}")
+
   def intercept(next_fun, args, kwargs, context):
-    y = next_fun(*args, **kwargs)
     module = context.module
-    if context.method_name == "__call__" and isinstance(module, layers.Dense) and module.has_variable(ADAPTERS, "a"):
-      return fn(module, args[0], y)
-    return y
+    if context.method_name == "__call__" and isinstance(module, layers.Dense) \
+        and ADAPTERS in module.variables:
+      return fn(module, args[0], lambda x: next_fun(x, *args[1:], **kwargs))
+    return next_fun(*args, **kwargs)
 
   if _ADAPTER.get() is not None:
     raise ValueError("models.adapter contexts do not nest: the adapters would be applied twice")
-  token = _ADAPTER.set(fn)
+  token = _ADAPTER.set(key)
   try:
     with nn.intercept_methods(intercept):
       yield
@@ -35,9 +42,11 @@ def adapter(fn):
 
 def check_plain(params: dict) -> None:
   """Params still holding adapters would run without them: refuse them."""
-  if ADAPTERS in params:
-    raise ValueError("params hold LoRA adapters (params['lora']), which the model would ignore; pass "
-                     "lm_jax.peft.lora.materialize(config, params) or run under lm_jax.peft.lora.unmerged(config)")
+  held = [k for k in ADAPTER_KEYS if k in params]
+  if held:
+    raise ValueError(f"params hold {ADAPTER_KEYS[held[0]]} adapters (params[{held[0]!r}]), which the model would "
+                     "ignore; pass "
+                     "lm_jax.params.materialize(config, params) or run under lm_jax.params.running(config)")
 
 
 def _split_nf4(tree: dict) -> tuple[dict, dict]:
@@ -58,11 +67,12 @@ def _split_nf4(tree: dict) -> tuple[dict, dict]:
 def of_params(params: dict) -> dict:
   """Flax variables of run params: NF4 kernels (QLoRA) in layers.QUANTISED, adapters (under `adapter`) in
   ADAPTERS."""
-  if ADAPTERS in params and _ADAPTER.get() is not None:
-    adapters, params = params[ADAPTERS], {k: v for k, v in params.items() if k != ADAPTERS}
+  key = _ADAPTER.get()
+  if key is not None and key in params:
+    adapters, params = params[key], {k: v for k, v in params.items() if k != key}
   else:
-    check_plain(params)
     adapters = None
+  check_plain(params)
   params, quantised = _split_nf4(params)
   return {"params": params, **({layers.QUANTISED: quantised} if quantised else {}),
           **({ADAPTERS: adapters} if adapters else {})}

@@ -13,9 +13,9 @@ The reference: the model config sets model.frozen_reference, so the params hold 
 from config.init_from (the SFT workdir) like the policy, so both start equal; it is sharded and checkpointed like
 the policy. The one jitted train step runs the reference forward on each batch next to the policy's (no dropout,
 no gradient): nothing is precomputed, and a resumed run needs nothing but its checkpoint. The cost is one more
-forward pass per step and the reference's memory. With LoRA (config.lora.rank > 0) the reference is the frozen
-base itself, the params without their adapters (PEFT's disable_adapter, as TRL does): no copy, so
-model.frozen_reference must be False; fresh adapters start at B = 0, so policy and reference start equal.
+forward pass per step and the reference's memory. With an adapter method (LoRA, IA³: lm_jax.params) the reference
+is the frozen base itself, the params without their adapters (PEFT's disable_adapter, as TRL does): no copy, so
+model.frozen_reference must be False; fresh adapters leave the model as it is, so policy and reference start equal.
 
 Data: 'preference' records of config.rlhf.files (lm_jax/data/instructions.py); a row is one pair as two causal
 sequences (2, seq_len): chosen then rejected, input_ids / targets the sequence shifted, weights 1 on the response
@@ -25,22 +25,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm_jax import models
-from lm_jax.peft import lora
+from lm_jax import models, params as params_lib
 from lm_jax.data import instructions
 from lm_jax.objectives.registry import Lengths, Objective, no_transform
 
 
 def check(config):
   copy = config.model.get("frozen_reference", False)
-  if lora.enabled(config):
+  method = params_lib.method(config)
+  if method:
     if copy:
-      raise ValueError("config.objective='dpo' with LoRA uses the frozen base as its reference: set "
+      raise ValueError(f"config.objective='dpo' with config.{method} uses the frozen base as its reference: set "
                        "config.model.frozen_reference=False")
-    if config.lora.init_from:
-      raise ValueError(f"config.objective='dpo' with config.lora.init_from={config.lora.init_from!r}: the reference "
-                       "(the base without adapters) would not be the starting policy; merge the adapters first "
-                       "(--mode=export --export_merged) and init_from that")
+    if config[method].init_from:
+      raise ValueError(f"config.objective='dpo' with config.{method}.init_from={config[method].init_from!r}: the "
+                       "reference (the base without adapters) would not be the starting policy; merge the adapters "
+                       "first (--mode=export --export_merged) and init_from that")
   elif not copy:
     raise ValueError("config.objective='dpo' needs config.model.frozen_reference=True (the frozen reference model)")
   if not config.rlhf.dpo_beta > 0:
@@ -111,10 +111,11 @@ def pair_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, weights,
 
 
 def split_reference(params: dict) -> tuple[dict, dict]:
-  """(policy params, reference params): a model.frozen_reference tree's two parts, or with LoRA adapters the params
+  """(policy params, reference params): a model.frozen_reference tree's two parts, or with adapters the params
   and their base."""
-  if lora.KEY in params:
-    return params, {k: v for k, v in params.items() if k != lora.KEY}
+  key = params_lib.adapter_key(params)
+  if key:
+    return params, {k: v for k, v in params.items() if k != key}
   return {k: v for k, v in params.items() if k != models.REFERENCE}, params[models.REFERENCE]
 
 

@@ -1,6 +1,7 @@
-"""LoRA adapters in the Hugging Face PEFT format: adapter_config.json + adapter_model.safetensors, what
+"""Adapters in the Hugging Face PEFT format: adapter_config.json + adapter_model.safetensors, what
 peft.PeftModel.from_pretrained(model, dir) loads onto the model lm_jax.hf.export.save_hf writes, and what PEFT's
-save_pretrained writes.
+save_pretrained writes. The file I/O, the HF module names and modules_to_save are shared; LoRA's tensors are here,
+each other method's in its own module (lm_jax/peft/ia3.py).
 
 Keys are base_model.model.<HF module>.lora_A.weight (r, in) and .lora_B.weight (out, r), the module names those of
 the family's HF table (lm_jax/hf/*.py `table`); params trained fully (config.lora.modules_to_save) are saved as
@@ -24,47 +25,52 @@ from safetensors.numpy import save_file
 
 from lm_jax import hf
 from lm_jax.hf import convert
-from lm_jax.peft import lora
+from lm_jax.peft import targets
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _QKV = ("query", "key", "value")
-_LAYER = re.compile(r"layers_(\d+)")
+_LAYER = targets.LAYER
 
 
-def _table(model_cfg) -> dict:
+def table(model_cfg) -> dict:
   """{looped param path string: (HF name, kind)}."""
   return {"/".join(path): (name, kind) for name, path, kind in hf.family_module(model_cfg).table(model_cfg)}
 
 
-def _fused(name: str):
+def fan_in_fan_out(model_cfg) -> bool:
+  """PEFT's fan_in_fan_out: whether the family's HF layers store their weights (in, out) (GPT's Conv1D)."""
+  return hf.family_module(model_cfg).FAN_IN_FAN_OUT
+
+
+def fused(name: str):
   """(c_attn module, part index) of a GPT pseudo name 'transformer.h.<i>.attn.<query|key|value>.weight', else None."""
   m = re.fullmatch(r"(.*\.attn)\.(query|key|value)\.weight", name)
   return (m.group(1) + ".c_attn", _QKV.index(m.group(2))) if m else None
 
 
 # ---------------------------------------------------------------------------------------- looped <-> run layout
-def _to_looped(tree):
+def to_looped(tree):
   """A params-shaped tree with every scanned 'layers' stack unstacked into layers_<i>."""
   if not isinstance(tree, dict):
     return tree
-  out = {k: _to_looped(v) for k, v in tree.items() if k != "layers"}
+  out = {k: to_looped(v) for k, v in tree.items() if k != "layers"}
   if "layers" in tree:
-    stacked = _to_looped(tree["layers"])
+    stacked = to_looped(tree["layers"])
     n = len(next(iter(_leaves(stacked))))
     for i in range(n):
       out[f"layers_{i}"] = _map(lambda a: a[i], stacked)
   return out
 
 
-def _to_run(tree, scan: bool):
+def to_run(tree, scan: bool):
   """Inverse of _to_looped when `scan`; the tree as it is otherwise."""
   if not isinstance(tree, dict) or not scan:
     return tree
   stack = sorted((int(m.group(1)), k) for k in tree if (m := _LAYER.fullmatch(k)))
-  out = {k: _to_run(v, scan) for k, v in tree.items() if not _LAYER.fullmatch(k)}
+  out = {k: to_run(v, scan) for k, v in tree.items() if not _LAYER.fullmatch(k)}
   if stack:
-    parts = [_to_run(tree[k], scan) for _, k in stack]
+    parts = [to_run(tree[k], scan) for _, k in stack]
     out["layers"] = _map(lambda *a: np.stack(a), *parts)
   return out
 
@@ -87,26 +93,27 @@ def _flat(tree, prefix=()) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------- export
-def save(config, params: dict, out_dir: str) -> None:
-  """Writes the adapters (and modules_to_save) of the run's host params to out_dir in the PEFT format."""
-  m, c, s = config.model, config.lora, lora.scale(config)
-  table = _table(m)
-  adapters = {"/".join(k) + "/kernel": v for k, v in _flat(_to_looped(params[lora.KEY])).items()}
-  tensors, modules, fused = {}, set(), {}
+def save_lora(config, params: dict, out_dir: str, s: float) -> None:
+  """Writes the LoRA adapters (and modules_to_save) of the run's host params to out_dir in the PEFT format; s is
+  the run's scale."""
+  m, c = config.model, config.lora
+  names = table(m)
+  adapters = {"/".join(k) + "/kernel": v for k, v in _flat(to_looped(params["lora"])).items()}
+  tensors, modules, qkv = {}, set(), {}
   for path, node in adapters.items():
-    name, _ = table[path]
+    name, _ = names[path]
     a = np.asarray(node["a"], np.float32).reshape(-1, c.rank)
     b = np.asarray(node["b"], np.float32).reshape(c.rank, -1)
-    if _fused(name):
-      module, part = _fused(name)
-      fused.setdefault(module, {})[part] = (a, b)
+    if fused(name):
+      module, part = fused(name)
+      qkv.setdefault(module, {})[part] = (a, b)
       continue
     module = name.removesuffix(".weight")
     modules.add(module)
     tensors[f"{PREFIX}{module}.lora_A.weight"] = a.T
     tensors[f"{PREFIX}{module}.lora_B.weight"] = b.T
   rank_pattern, alpha_pattern = {}, {}
-  for module, parts in fused.items():
+  for module, parts in qkv.items():
     order = sorted(parts)
     width = parts[order[0]][1].shape[1]
     k = len(order)
@@ -119,27 +126,38 @@ def save(config, params: dict, out_dir: str) -> None:
     if k > 1:   # keep PEFT's scale alpha' / r' (or / sqrt(r')) at s with r' = k r
       rank_pattern[_escape(module)] = k * c.rank
       alpha_pattern[_escape(module)] = s * (math.sqrt(k * c.rank) if c.rslora else k * c.rank)
-  trained = {}
-  mask = _flat_mask(lora.trainable_mask(config))
-  for path, value in _flat_params(params).items():
-    if mask.get(path) and path.split("/")[0] != lora.KEY:
-      for looped in _looped_names(path, value):
-        if looped[0] in table:
-          name, kind = table[looped[0]]
-          trained[name] = convert.to_hf_array(looped[1], kind)
+  trained = saved_tensors(config, "lora", params)
   tensors |= {PREFIX + name: t for name, t in trained.items()}
   adapter_config = {
       "peft_type": "LORA", "task_type": None, "base_model_name_or_path": None, "inference_mode": True,
       "r": c.rank, "lora_alpha": c.alpha, "lora_dropout": c.dropout, "use_rslora": bool(c.rslora),
       "target_modules": sorted(modules), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
       "modules_to_save": sorted({n.rsplit(".", 1)[0] for n in trained}) or None,
-      "fan_in_fan_out": hf.family_module(m).FAN_IN_FAN_OUT, "bias": "none", "init_lora_weights": True,
-      "use_dora": False}
+      "fan_in_fan_out": fan_in_fan_out(m), "bias": "none", "init_lora_weights": True, "use_dora": False}
+  write(out_dir, adapter_config, tensors)
+
+
+def write(out_dir: str, adapter_config: dict, tensors: dict):
+  """adapter_config.json and adapter_model.safetensors (tensors keyed by their full PEFT names) in out_dir."""
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
     json.dump(adapter_config, f, indent=2, sort_keys=True)
   save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(out_dir, WEIGHTS_FILE),
             metadata={"format": "pt"})
+
+
+def saved_tensors(config, name: str, params: dict) -> dict:
+  """{HF name: tensor} of the params config.<name>.modules_to_save trains (PEFT saves them under their names)."""
+  names, trained = table(config.model), {}
+  plain = {k: v for k, v in params.items() if k != name}
+  mask = _flat_mask(targets.saved_mask(config, name, plain))
+  for path, value in _flat_params(plain).items():
+    if mask.get(path):
+      for looped, array in _looped_names(path, value):
+        if looped in names:
+          hf_name, kind = names[looped]
+          trained[hf_name] = convert.to_hf_array(array, kind)
+  return trained
 
 
 def _escape(module: str) -> str:
@@ -172,18 +190,21 @@ def _looped_names(path: str, value) -> list[tuple[str, np.ndarray]]:
 
 
 # ------------------------------------------------------------------------------------------------------- import
-def read_config(path: str) -> dict:
-  """adapter_config.json of a PEFT LoRA directory; one-line errors name the file and field."""
+def read_config(path: str, peft_type: str) -> dict:
+  """adapter_config.json of a PEFT directory of `peft_type` ('LORA', 'IA3'); one-line errors name the file and
+  field."""
   file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(file) or not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
-    raise FileNotFoundError(f"config.lora.init_from={path!r}: no {CONFIG_FILE} + {WEIGHTS_FILE} (a PEFT adapter "
-                            "directory)")
+    raise FileNotFoundError(f"config.{peft_type.lower()}.init_from={path!r}: no {CONFIG_FILE} + {WEIGHTS_FILE} (a "
+                            "PEFT adapter directory)")
   with open(file, encoding="utf-8") as f:
     try:
       fields = json.load(f)
     except ValueError as e:
       raise ValueError(f"{file}: not valid JSON ({e})") from None
-  for field, ok in (("peft_type", "LORA"), ("use_dora", False), ("bias", "none"), ("lora_bias", False)):
+  if fields.get("peft_type", peft_type) != peft_type:
+    raise ValueError(f"{file}: peft_type={fields['peft_type']!r} is not supported here (needs {peft_type!r})")
+  for field, ok in (("use_dora", False), ("bias", "none"), ("lora_bias", False)):
     if fields.get(field, ok) != ok:
       raise ValueError(f"{file}: {field}={fields[field]!r} is not supported (LoRA needs {ok!r})")
   return fields
@@ -199,6 +220,26 @@ def _peft_scale(fields: dict, module: str, rank: int) -> float:
   return alpha / math.sqrt(rank) if fields.get("use_rslora") else alpha / rank
 
 
+def read_tensors(path: str, model_cfg) -> dict:
+  """{HF name (PEFT's prefix removed): float32 array} of the PEFT directory `path`; the adapters of a bare base model
+  (BertModel) get the prefix of the models lm_jax exports ('bert.')."""
+  tensors = {k.removeprefix(PREFIX): v for k, v in _read(os.path.join(path, WEIGHTS_FILE)).items()}
+  base = hf.family_module(model_cfg).BASE_PREFIX
+  if base and not any(k.startswith(base) for k in tensors):   # adapters of a bare base model (BertModel)
+    tensors = {(base + k if not k.startswith("classifier.") else k): v for k, v in tensors.items()}
+  return tensors
+
+
+def saved_params(config, name: str, tensors: dict) -> dict:
+  """Looped params tree of config.<name>.modules_to_save from `tensors` (HF names), as PEFT saves them."""
+  shapes, _ = targets.looped_params(config)
+  params = {}
+  for looped, (hf_name, kind) in table(config.model).items():
+    if hf_name in tensors and targets.trains_fully(config[name], looped):
+      targets.put(params, tuple(looped.split("/")), convert.param_from_hf(tensors, hf_name, kind, shapes[looped].shape))
+  return params
+
+
 def _read(file: str) -> dict:
   try:
     with safe_open(file, framework="flax") as f:   # through JAX: bfloat16 adapters too
@@ -207,23 +248,19 @@ def _read(file: str) -> dict:
     raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def load(config, path: str) -> dict:
+def load_lora(config, path: str, s: float) -> dict:
   """{'lora': adapters, modules_to_save params} in the run's layout from the PEFT directory `path`. The adapters
   must be those config.lora.targets / rank describe: a missing, extra or misshapen one is a one-line error naming
-  the tensor. PEFT's per-module scale is folded into B, so the run's scale gives the same W + s·A·B."""
-  fields, m, r = read_config(path), config.model, config.lora.rank
+  the tensor. PEFT's per-module scale is folded into B, so the run's scale s gives the same W + s·A·B."""
+  fields, m, r = read_config(path, "LORA"), config.model, config.lora.rank
   file = os.path.join(path, WEIGHTS_FILE)
-  tensors = {k.removeprefix(PREFIX): v for k, v in _read(file).items()}
-  table, s = _table(m), lora.scale(config)
+  tensors, names = read_tensors(path, m), table(m)
   by_module = {}
-  for looped, (name, _) in table.items():
+  for looped, (name, _) in names.items():
     if looped.endswith("/kernel"):
-      module, part = _fused(name) or (name.removesuffix(".weight"), None)
+      module, part = fused(name) or (name.removesuffix(".weight"), None)
       by_module.setdefault(module, []).append((looped, part))
-  base = hf.family_module(m).BASE_PREFIX
-  if base and not any(k.startswith(base) for k in tensors):   # adapters of a bare base model (BertModel)
-    tensors = {(base + k if not k.startswith("classifier.") else k): v for k, v in tensors.items()}
-  wanted = set(lora.targets(config))
+  wanted = set(targets.kernels(config, config.lora))
   adapters, used = {}, set()
   for module, members in by_module.items():
     a_name, b_name = f"{module}.lora_A.weight", f"{module}.lora_B.weight"
@@ -243,26 +280,22 @@ def load(config, path: str) -> dict:
   if unused:
     raise ValueError(f"{file}: {PREFIX}{unused[0]} names no module of this {m.family} model")
   for looped in sorted(wanted | set(adapters)):
-    name = table[looped][0]
+    name = names[looped][0]
     if looped not in adapters:
       raise ValueError(f"{file}: no adapter for {name} (config.lora.targets matches {looped})")
     if looped not in wanted:
       raise ValueError(f"{file}: adapter of {name} ({looped}) is not in config.lora.targets="
                        f"{tuple(config.lora.targets)}")
-  shapes, specs = lora._looped_params(config)
+  shapes, specs = targets.looped_params(config)
   out = {}
   for looped, (a, b) in adapters.items():
-    kernel, n = shapes[looped].shape, lora._n_in(specs[looped])
+    kernel, n = shapes[looped].shape, targets.n_in(specs[looped])
     if a.shape != (math.prod(kernel[:n]), r) or b.shape != (r, math.prod(kernel[n:])):
-      module = table[looped][0].removesuffix(".weight")
+      module = names[looped][0].removesuffix(".weight")
       raise ValueError(f"{file}: the adapter of {module} has A {a.shape[::-1]}, B {b.shape[::-1]}; config.lora.rank="
                        f"{r} and the model need A {(r, math.prod(kernel[:n]))}, B {(math.prod(kernel[n:]), r)}")
-    lora._set(out, tuple(looped.split("/")[:-1]), {"a": a.reshape(*kernel[:n], r), "b": b.reshape(r, *kernel[n:])})
-  params = {lora.KEY: out}
-  for looped, (name, kind) in table.items():
-    if name in tensors and ".lora_" not in name and lora._trains_fully(config, looped):
-      lora._set(params, tuple(looped.split("/")), convert.param_from_hf(tensors, name, kind, shapes[looped].shape))
-  return _to_run(params, m.scan_layers)
+    targets.put(out, tuple(looped.split("/")[:-1]), {"a": a.reshape(*kernel[:n], r), "b": b.reshape(r, *kernel[n:])})
+  return to_run({"lora": out, **saved_params(config, "lora", tensors)}, m.scan_layers)
 
 
 def _split_fused(file, module, members, a, b, wanted, r) -> dict:

@@ -14,7 +14,7 @@ a frozen copy of it. The value model is a separate decoder-only model with the '
 read at every response position, initialised as InstructGPT's from the reward model (config.ppo.reward_from), or
 with an exact reward from the policy's initial weights and a fresh head. Separate, its regression does not pull on
 the policy's features and it has its own optimizer (learning rate config.ppo.value_lr), so TRL's vf_coef, a weight
-between two losses of one model, has no role. With LoRA / QLoRA (config.lora, config.qlora) policy and value model
+between two losses of one model, has no role. With LoRA / QLoRA (config.lora, config.lora.qlora) policy and value model
 each train their own adapters on a frozen base; rollouts sample from the merged policy, the scoring pass applies the
 adapters as the updates do (docs/lora.md).
 
@@ -35,11 +35,10 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import (checkpoint, finetune, init_from, loop as loop_lib, metrics_log, models, sharding, step,
-                    train as train_lib)
+from lm_jax import (checkpoint, init_from, loop as loop_lib, metrics_log, models, params as params_lib, sharding,
+                    step, train as train_lib)
 from lm_jax.data import instructions, pipeline
 from lm_jax.objectives import clm, rewards
-from lm_jax.peft import lora
 from lm_jax.rlhf import ppo_math, rollout, scoring, update
 
 TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record, with tokens_per_sec
@@ -114,8 +113,9 @@ def build(config, workdir: str, devices=None) -> Run:
   prompts = instructions.prompts(c, s.tokenizer)
   policy = update.part(_update_config(c, c.model, c.optimizer.lr, c.finetune.freeze), s.mesh, s.rules, update.POLICY)
   value_config = _update_config(c, value_model, p.value_lr or c.optimizer.lr, ())
-  with value_config.unlocked():
-    value_config.lora.init_from = ""   # a PEFT adapter directory is the policy's
+  if params_lib.method(value_config):
+    with value_config.unlocked():
+      value_config[params_lib.method(value_config)].init_from = ""   # a PEFT adapter directory is the policy's
   value = update.part(value_config, s.mesh, s.rules, update.VALUE)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     initial = _initial_params(s, policy, value, reward_model)
@@ -128,7 +128,7 @@ def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part,
   value model's: the reward model's, or the policy's with a fresh head."""
   c = s.config
   seed = jax.random.fold_in(jax.random.key(c.seed), 0)
-  fresh = lambda part: jax.jit(lambda k: lora.init_params(part.config, k),
+  fresh = lambda part: jax.jit(lambda k: params_lib.init(part.config, k),
                                out_shardings=part.sharding["params"])(seed)
   params = fresh(policy)
   if c.init_from:
@@ -137,8 +137,8 @@ def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part,
   reward = None
   if reward_model:
     reward = init_from.pretrained_params(_replace(c, model=reward_model, init_from=c.ppo.reward_from), s.mesh, s.rules)
-  source = lora.base(c, params) if reward is None else reward
-  value_params, _ = init_from.initial_params(value.config, fresh(value), lora.prepare(value.config, source))
+  source = params_lib.base(c, params) if reward is None else reward
+  value_params, _ = init_from.initial_params(value.config, fresh(value), params_lib.prepare(value.config, source))
   put = lambda tree, part: jax.device_put(tree, part.sharding["params"])
   return {"policy": put(params, policy), "value": put(value_params, value), "reward_model": reward}
 
@@ -161,7 +161,7 @@ def initial_state(run: Run) -> dict:
 
   def train_state(part, params):
     params = jax.tree.map(jnp.copy, params)
-    return step.init_state(params, part.tx, finetune.trainable_mask(part.config))
+    return step.init_state(params, part.tx, params_lib.trainable_mask(part.config))
   state = {"policy": train_state(run.policy, run.initial["policy"]),
            "value": train_state(run.value, run.initial["value"]),
            "rng": jax.random.key_data(jax.random.fold_in(jax.random.key(c.seed), 1)),

@@ -8,13 +8,12 @@ The PPO trainer (ppo.py) calls it; it builds on decoding and the params policy o
 import jax
 import numpy as np
 
-from lm_jax import decoding
-from lm_jax.peft import lora
+from lm_jax import decoding, params as params_lib
 
 
 def sampler(config):
-  """policy params -> what decoding samples from: the params, with LoRA adapters merged (jitted, lora.materialize)."""
-  return jax.jit(lambda params: lora.materialize(config, params)) if lora.enabled(config) else lambda params: params
+  """policy params -> what decoding samples from: the params, with adapters merged (jitted, params.materialize)."""
+  return jax.jit(lambda p: params_lib.materialize(config, p)) if params_lib.method(config) else lambda p: p
 
 
 def sample(config, tokenizer, params, prompts: list, gen: np.random.Generator) -> tuple[list, list]:

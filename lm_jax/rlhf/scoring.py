@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import models
+from lm_jax import models, params as params_lib
 from lm_jax.objectives import reward as reward_lib
-from lm_jax.peft import lora
 from lm_jax.rlhf import ppo_math
 
 
@@ -42,8 +41,8 @@ def values(config, params, batch):
 
 
 def _as_in_step(config, fn, params, batch):
-  """fn(config, params, batch) outside the train step, LoRA adapters applied as the step applies them."""
-  with lora.unmerged(config, train=False):
+  """fn(config, params, batch) outside the train step, adapters applied as the step applies them."""
+  with params_lib.running(config, train=False):
     return fn(config, params, batch)
 
 

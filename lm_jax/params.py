@@ -1,0 +1,266 @@
+"""The run's params policy: what its params are and what of them trains, whichever adapter method is on.
+
+- What the params are: the model's (models.init), plus, with an adapter method (config.lora, config.ia3:
+  lm_jax/peft/methods.py), its adapters under the method's params key, and the frozen base in the method's storage
+  (QLoRA's NF4). init / abstract / logical_axes give them; `prepare` puts pre-trained plain params in that form.
+- What trains (trainable_mask, split / merge): with a method, its adapters and config.<method>.modules_to_save;
+  else all but the params config.finetune.freeze matches (regexes over '/'-joined paths, layers named as when
+  looped: 'word_embeddings/embedding', 'layers_3/mlp/wi/kernel') and DPO's frozen reference copy
+  (model.frozen_reference). The step differentiates only the trainable part and the optimizer keeps state only for
+  it, while checkpoints hold every parameter.
+- The layer-wise lr: finetune.layer_decay < 1 gives layer i lr * decay^(num_layers - i) (optim.layer_lr_scales).
+- How they run: the step runs the adapters unmerged inside `running`; eval, decoding, export and a next stage's
+  init_from read plain params (materialize, merged, base). save_adapter writes the adapters in the PEFT format.
+The step, the trainer, PPO and DPO call this module and never a method by name.
+"""
+import contextlib
+import math
+import re
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from lm_jax import models
+from lm_jax.models import layers, nf4, variables
+from lm_jax.peft import methods, targets
+
+
+def method(config) -> str | None:
+  """The config group of the adapter method config turns on ('lora', 'ia3'), or None."""
+  m = methods.active(config)
+  return None if m is None else m.NAME
+
+
+def adapter_key(params: dict) -> str | None:
+  """The top-level key `params` hold adapters under, or None."""
+  return next((k for k in variables.ADAPTER_KEYS if k in params), None)
+
+
+def _plain(config, params: dict) -> dict:
+  m = methods.active(config)
+  return params if m is None else {k: v for k, v in params.items() if k != m.KEY}
+
+
+# ----------------------------------------------------------------------------------------------- what they are
+def init(config, rng: jax.Array) -> dict:
+  """Fresh params of the run: models.init(config.model), with a method its adapters and the base in its storage."""
+  m = methods.active(config)
+  if m is None:
+    return models.init(config.model, rng)
+  targets.kernels(config, config[m.NAME])   # outside the trace: validates config.model, caches the targets
+  return jax.jit(lambda r: {**m.quantize(config, models.init(config.model, r)),
+                            m.KEY: m.init(config, jax.random.fold_in(r, 1))})(rng)
+
+
+def abstract(config) -> dict:
+  """ShapeDtypeStructs of the run's params."""
+  if methods.active(config) is None:
+    return models.abstract_params(config.model)
+  return jax.eval_shape(lambda: init(config, jax.random.key(0)))
+
+
+def _storage_axes(abstract_tree, specs):
+  """`specs` (the plain model's) with each NF4-quantised kernel's spec made the specs of its parts."""
+  if isinstance(specs, P):
+    return nf4.logical_axes(abstract_tree, specs) if nf4.is_nf4(abstract_tree) else specs
+  return {k: _storage_axes(abstract_tree[k], v) for k, v in specs.items()}
+
+
+def logical_axes(config) -> dict:
+  """Logical PartitionSpecs of the run's params, the adapters' included."""
+  specs = models.logical_axes(config.model)
+  m = methods.active(config)
+  if m is None:
+    return specs
+  return {**_storage_axes(_plain(config, abstract(config)), specs), m.KEY: m.logical_axes(config)}
+
+
+def prepare(config, pretrained: dict, fill: bool = False) -> dict:
+  """Pre-trained plain params in the run's storage, with the adapters and modules_to_save of the method's PEFT
+  directory (config.<method>.init_from); with `fill`, fresh adapters (seed config.seed) when there is none."""
+  m = methods.active(config)
+  if m is None:
+    return pretrained
+  params = jax.jit(lambda p: m.quantize(config, p))(pretrained)
+  if config[m.NAME].init_from:
+    params = targets.overlay(params, m.load(config, config[m.NAME].init_from))
+  elif fill:
+    params[m.KEY] = m.init(config, jax.random.fold_in(jax.random.key(config.seed), 1))
+  return params
+
+
+# -------------------------------------------------------------------------------------------------- how they run
+@contextlib.contextmanager
+def running(config, *, train: bool):
+  """Within it (inside a traced function), models.apply runs the run's params as they are: adapters unmerged
+  beside their frozen kernels (NF4 ones dequantised in their matmuls), the method's dropout only when `train`. On
+  exit, a ValueError if an adapter of the run was never applied."""
+  m = methods.active(config)
+  if m is None:
+    yield
+    return
+  fn, applied = m.hook(config, train=train), set()
+
+  def adapt(module, x, dense):
+    applied.add(module.path)
+    return fn(module, x, dense)
+
+  with models.adapter(adapt, m.KEY):
+    yield
+  missing = sorted("/".join(p) for p in m.adapted(config) if p not in applied)
+  if missing:
+    raise ValueError(f"{m.NAME} adapters of {', '.join(missing)} were never applied: the model ran no Dense there")
+
+
+def base(config, params: dict) -> dict:
+  """The base model's plain params: adapters dropped, NF4 kernels dequantised to model.param_dtype."""
+  m = methods.active(config)
+  return params if m is None else m.dequantize(config, _plain(config, params),
+                                              layers.dtype(config.model.param_dtype))
+
+
+def merged(config, params: dict) -> dict:
+  """The model a run trained, as plain params in model.param_dtype: `base` with the adapters merged in (what
+  --export_merged writes and a next stage's init_from reads); params as they are without a method."""
+  m = methods.active(config)
+  return params if m is None else m.fold(config, base(config, params), params[m.KEY])
+
+
+def materialize(config, params: dict) -> dict:
+  """Plain params for eval and decoding: adapters merged into their kernels, NF4 kernels dequantised to
+  model.dtype; params as they are without a method. Jittable."""
+  m = methods.active(config)
+  if m is None:
+    return params
+  plain = m.dequantize(config, _plain(config, params), layers.dtype(config.model.dtype))
+  return m.fold(config, plain, params[m.KEY])
+
+
+def save_adapter(config, params: dict, directory: str):
+  """The adapters and modules_to_save of host params in the PEFT format in `directory`; nothing without a method."""
+  m = methods.active(config)
+  if m is not None:
+    m.save(config, params, directory)
+
+
+# ------------------------------------------------------------------------------------------------- what trains
+def _patterns(config) -> tuple:
+  """finetune.freeze, and the reference copy of model.frozen_reference."""
+  group = config.get("finetune")
+  reference = (f"^{models.REFERENCE}/",) if config.model.get("frozen_reference", False) else ()
+  return (tuple(group.get("freeze", ())) if group is not None else ()) + reference
+
+
+def layer_decay(config) -> float:
+  """config.finetune.layer_decay (1.0 = every layer at the same lr), 1.0 for configs without the field."""
+  group = config.get("finetune")
+  return float(group.get("layer_decay", 1.0)) if group is not None else 1.0
+
+
+def _frozen_looped(config, patterns) -> dict:
+  """{looped path string: frozen?} of every parameter of config.model."""
+  return {p: any(re.search(rx, p) for rx in patterns) for p in targets.looped_params(config)[0]}
+
+
+def _layer_stacks(config) -> set:
+  """The paths above each layer stack ('layers_<i>' keys) among the parameters that train: {()} for one stack at
+  the top (BERT, GPT), {('encoder',), ('decoder',)} for an encoder and a decoder (T5)."""
+  frozen = _frozen_looped(config, _patterns(config))
+  stacks = set()
+  for path, is_frozen in frozen.items():
+    keys = path.split("/")
+    stacks |= {tuple(keys[:i]) for i, k in enumerate(keys) if targets.LAYER.fullmatch(k) and not is_frozen}
+  return stacks
+
+
+def check(config):
+  """One-line ValueError naming the config.finetune / config.lora / config.ia3 field that cannot apply to
+  config.model."""
+  m = methods.active(config)
+  for method in methods.METHODS.values():
+    method.check(config)
+  patterns = _patterns(config)
+  if m is not None and config.finetune.freeze:
+    raise ValueError(f"config.finetune.freeze and config.{m.NAME} exclude each other: with an adapter method only "
+                     f"the adapters and config.{m.NAME}.modules_to_save train")
+  decay = layer_decay(config)
+  if not 0 < decay <= 1:
+    raise ValueError(f"config.finetune.layer_decay must be in (0, 1] (1 = off), got {decay}")
+  nested = sorted("/".join(p) for p in _layer_stacks(config) if p)
+  if decay != 1 and nested:
+    raise ValueError(f"config.finetune.layer_decay needs the trained layers in one stack at the top of the params "
+                     f"(lm_jax.optim.layer_lr_scales); this {config.model.family} model has layers under "
+                     f"{', '.join(nested)}")
+  for rx in patterns:
+    try:
+      re.compile(rx)
+    except re.error as e:
+      raise ValueError(f"config.finetune.freeze: {rx!r} is not a regular expression ({e})") from None
+  if patterns:
+    frozen = _frozen_looped(config, patterns)
+    for rx in patterns:
+      if not any(re.search(rx, p) for p in frozen):
+        raise ValueError(f"config.finetune.freeze: {rx!r} matches no parameter (paths look like "
+                         f"{next(iter(frozen))!r}, {next(p for p in frozen if p.startswith('layers_'))!r})")
+    if all(frozen.values()):
+      raise ValueError(f"config.finetune.freeze={patterns!r} freezes every parameter")
+    trainable_mask(config)
+
+
+def trainable_mask(config) -> dict | None:
+  """Bool tree over the run's params (in its layout): True for those that train; None when all do."""
+  m = methods.active(config)
+  if m is not None:
+    tree = abstract(config)
+    adapters = jax.tree.map(lambda _: True, tree[m.KEY])
+    return {**targets.saved_mask(config, m.NAME, _plain(config, tree)), m.KEY: adapters}
+  patterns = _patterns(config)
+  if not patterns:
+    return None
+  mask = {}
+  for path, is_frozen in _frozen_looped(config, patterns).items():
+    keys = ["layers" if config.model.scan_layers and targets.LAYER.fullmatch(k) else k for k in path.split("/")]
+    node = mask
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+    if node.get(keys[-1], not is_frozen) != (not is_frozen):
+      raise ValueError(f"config.finetune.freeze={patterns!r} freezes some layers of a scanned stack "
+                       f"({'/'.join(keys)}); set config.model.scan_layers=False")
+    node[keys[-1]] = not is_frozen
+  return mask
+
+
+def split(tree: dict, mask: dict | None) -> tuple[dict, dict]:
+  """(trainable, frozen) parts of a params-shaped nested dict; with mask None, (tree, {})."""
+  if mask is None:
+    return tree, {}
+  trainable, frozen = {}, {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      a, b = split(v, mask[k])
+      trainable.update({k: a} if a else {})
+      frozen.update({k: b} if b else {})
+    else:
+      (trainable if mask[k] else frozen)[k] = v
+  return trainable, frozen
+
+
+def merge(a: dict, b: dict) -> dict:
+  """The union of two disjoint nested dicts (inverse of split)."""
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = merge(out[k], v) if k in out else v
+  return out
+
+
+def count(config) -> tuple[int, int]:
+  """(trainable, total) parameters of the run: with a method, its adapters plus modules_to_save, of the model
+  plus its adapters."""
+  m = methods.active(config)
+  model = models.abstract_params(config.model)
+  if m is None:
+    return models.count(split(model, trainable_mask(config))[0]), models.count(model)
+  saved = sum(math.prod(a.shape) for p, a in targets.looped_params(config)[0].items()
+              if targets.trains_fully(config[m.NAME], p))
+  adapters = models.count(jax.eval_shape(lambda: m.init(config, jax.random.key(0))))
+  return adapters + saved, models.count(model) + adapters

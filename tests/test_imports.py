@@ -1,0 +1,117 @@
+"""The import graph of lm_jax (docs/architecture.md): no cycles, and no import inside a function to hide one.
+
+Edges are every `import lm_jax...` / `from lm_jax... import ...`, at module level or inside a function, so a cycle
+dodged by a function-level import is still a cycle here. Only the CLI entry points import lazily (to start fast).
+"""
+import ast
+import collections
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ENTRY_POINTS = {"lm_jax.main", "lm_jax.scaling.__main__"}   # may import inside functions: startup time only
+_TRAINERS = ("lm_jax.train", "lm_jax.loop", "lm_jax.rlhf", "lm_jax.init_from", "lm_jax.predict")
+# The arrows of docs/architecture.md as what each part must NOT import (module-name prefixes).
+FORBIDDEN = {
+    "lm_jax.models": ("lm_jax.data", "lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", "lm_jax.hf",
+                      "lm_jax.decoding", *_TRAINERS),
+    "lm_jax.hf": ("lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", *_TRAINERS),
+    "lm_jax.data": ("lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", "lm_jax.hf", *_TRAINERS),
+    "lm_jax.objectives": ("lm_jax.step", "lm_jax.peft", *_TRAINERS),
+    "lm_jax.peft": ("lm_jax.params", "lm_jax.step", "lm_jax.objectives", *_TRAINERS),
+    "lm_jax.params": ("lm_jax.step", "lm_jax.objectives", *_TRAINERS),
+    "lm_jax.step": ("lm_jax.objectives", "lm_jax.peft", *_TRAINERS),
+    "lm_jax.loop": ("lm_jax.train", "lm_jax.step", "lm_jax.rlhf"),
+    "lm_jax.train": ("lm_jax.rlhf",),
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in (REPO / "lm_jax").rglob("*.py"):
+    name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    out[name.removesuffix(".__init__")] = path
+  return out
+
+
+def _graph():
+  """({module: set of lm_jax modules it imports}, [(module, imported) for imports inside functions])."""
+  modules = _modules()
+
+  def owner(name):   # `from lm_jax.data import pipeline` names a module; `from lm_jax.models import layers` too
+    while name and name not in modules:
+      name = name.rpartition(".")[0]
+    return name
+
+  edges, nested = collections.defaultdict(set), []
+  for name, path in modules.items():
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        targets = [f"{node.module}.{a.name}" for a in node.names]
+      else:
+        continue
+      for target in (owner(t) for t in targets if t.startswith("lm_jax")):
+        if target and target != name and not name.startswith(target + "."):   # a package's own __init__
+          edges[name].add(target)
+          if id(node) not in top:
+            nested.append((name, target))
+  return edges, nested
+
+
+def _cycles(edges) -> list[list[str]]:
+  """Strongly connected components with more than one module (Tarjan)."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(edges.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(edges):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def test_no_import_cycles():
+  edges, _ = _graph()
+  assert _cycles(edges) == []
+
+
+def test_imports_inside_functions_only_in_entry_points():
+  _, nested = _graph()
+  assert [(m, t) for m, t in nested if m not in ENTRY_POINTS] == []
+
+
+def _under(name: str, prefix: str) -> bool:
+  return name == prefix or name.startswith(prefix + ".")
+
+
+def test_dependencies_point_one_way():
+  edges, _ = _graph()
+  wrong = sorted((m, t) for m, targets in edges.items() for t in targets
+                 for part, banned in FORBIDDEN.items() if _under(m, part) and any(_under(t, b) for b in banned))
+  assert wrong == []
+
+
+def test_the_checks_see_a_cycle():
+  assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
