@@ -34,6 +34,16 @@ from lm_jax.models import layers
 RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
 
 
+def check(config):
+  """One-line ValueError for a config.finetune.reinit_top_layers that cannot apply."""
+  top = config.finetune.reinit_top_layers
+  if not 0 <= top <= config.model.num_layers:
+    raise ValueError(f"config.finetune.reinit_top_layers must be in [0, model.num_layers={config.model.num_layers}],"
+                     f" got {top}")
+  if top and not config.init_from:
+    raise ValueError("config.finetune.reinit_top_layers needs config.init_from (the model to start from)")
+
+
 def is_hf(path: str) -> bool:
   """Whether `path` is a Hugging Face model directory (rather than a run's workdir)."""
   return os.path.isfile(os.path.join(path, "config.json"))
