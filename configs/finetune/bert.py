@@ -96,8 +96,8 @@ def get_config(arg="sst2"):
     c.optimizer.lr = 1e-3
     _schedule(c, SST2_TRAIN, 1)
     return c
-  # minilm_sst2: all-MiniLM-L6-v2 (L6, H384, 12 heads) on a CPU: 60 steps of 32 (0.28 epochs) land at ~0.84 dev
-  # accuracy; seq 48 holds 99% of the SST-2 sentences whole.
+  # minilm_sst2: all-MiniLM-L6-v2 (L6, H384, 12 heads), a run short enough for a CPU: 60 steps of 32 (0.28 epochs;
+  # accuracies in bench/README.md); seq 48 holds 99% of the SST-2 sentences whole.
   c.init_from = _minilm_dir()
   m.num_layers, m.d_model, m.num_heads, m.d_ff = 6, 384, 12, 1536
   c.data.seq_len = 48
@@ -114,9 +114,9 @@ def get_config(arg="sst2"):
   elif arg != "minilm_sst2":   # LoRA (Hu et al. 2022 §4): r=8 on query / value; only adapters and classifier train
     c.lora.rank, c.lora.alpha, c.lora.targets = 8, 16.0, ("attention/(query|value)/",)
     c.lora.qlora = arg == "minilm_sst2_qlora"
-    # Adapters take a larger lr; LoRA: 0.82 dev accuracy after the 60 steps (bench/README.md). bert_adamw has no bias
-    # correction, so over 60 steps its updates are 3-6.6x a bias-corrected AdamW's at the same lr: with
-    # optimizer.name=adamw this lr leaves the dev accuracy at 0.51.
+    # Adapters take a larger lr. bert_adamw has no bias correction, so over 60 steps its updates are 3-6.6x a
+    # bias-corrected AdamW's at the same lr: this lr is bert_adamw's, too large for optimizer.name=adamw
+    # (bench/README.md).
     c.optimizer.lr = 1e-3
     c.optimizer.weight_decay = 0.0
   return c
