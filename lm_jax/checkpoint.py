@@ -277,6 +277,14 @@ class Preemption:
 
 
 # -------------------------------------------------------------------------------------------------- best checkpoint
+def check_best(config):
+  """One-line ValueError for a config.finetune.best_metric that Best cannot keep."""
+  best = config.finetune.best_metric
+  if best and (not best.startswith("eval_") or not config.eval_every):
+    raise ValueError(f"config.finetune.best_metric={best!r} must name an eval metric (eval_accuracy, eval_loss, ...) "
+                     f"and needs config.eval_every > 0, got eval_every={config.eval_every}")
+
+
 class Best:
   """The checkpoint of the best eval by config.finetune.best_metric (lower is better for losses, mse, perplexity
   and bits, higher for the rest), kept in WORKDIR/best: a workdir of its own with the run's tokenizer, so

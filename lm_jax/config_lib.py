@@ -20,7 +20,7 @@ from typing import Iterable, Mapping
 import ml_collections
 from absl import app, flags
 
-from lm_jax import finetune, models, objectives, optim, params, sharding
+from lm_jax import checkpoint, init_from, models, objectives, optim, params, sharding
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _PACKAGE = str(pathlib.Path(__file__).resolve().parent) + os.sep
@@ -191,7 +191,8 @@ def _validate(config, num_devices, process_count):
   models.validate(config.model)  # sizes, heads vs d_model, activation, dtypes, remat policy, dropout
   _check_numbers(config)
   params.check(config)  # what trains: freeze patterns, adapter methods, layer_decay
-  finetune.check(config)  # reinit_top_layers, best_metric
+  init_from.check(config)  # reinit_top_layers
+  checkpoint.check_best(config)  # best_metric
   m, o = config.model, config.optimizer
   _require(o.name in optim.OPTIMIZERS, f"config.optimizer.name={o.name!r} unknown; use {', '.join(optim.OPTIMIZERS)}")
   _require(o.schedule in optim.SCHEDULES,

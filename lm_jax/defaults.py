@@ -74,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.prefix = ""              # text_to_text: the task prefix of every input, e.g. "sst2" -> "sst2 sentence: ..."
   c.task.field_names = ()         # text_to_text: the name written before each text; () = text_fields
 
-  c.finetune = ml_collections.ConfigDict()   # starting from init_from (lm_jax/finetune.py), what trains (params.py)
+  c.finetune = ml_collections.ConfigDict()   # starting from init_from (init_from.py), what trains (params.py)
   c.finetune.freeze = ()          # regexes over parameter paths, e.g. ("embeddings", "layers_[0-9]/")
   c.finetune.reinit_top_layers = 0  # the top layers keep their fresh init instead of the pre-trained values
   c.finetune.layer_decay = 1.0    # lr of layer i = lr * decay^(num_layers - i), embeddings one step lower; 1 = off

@@ -13,10 +13,11 @@ directory or another run's workdir.
   finetune.reinit_top_layers resets the top layers of every layer stack to the fresh init.
 - eval_source / restore_params: a run with a checkpoint of its own evaluates, exports and predicts it; without one,
   config.init_from's model.
+A Hugging Face directory is read here only: source_model (its config.json and tokenizer) and pretrained_params (its
+weights, lm_jax.hf.export.load_hf), whether a run starts from it or evaluates, exports, probes or decodes it.
 """
 import glob
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,16 @@ from lm_jax.models import layers
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
 RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
-_LAYER = re.compile(r"layers_(\d+)")   # a looped layer's params; scanned ones are all under "layers"
+
+
+def check(config):
+  """One-line ValueError for a config.finetune.reinit_top_layers that cannot apply."""
+  top = config.finetune.reinit_top_layers
+  if not 0 <= top <= config.model.num_layers:
+    raise ValueError(f"config.finetune.reinit_top_layers must be in [0, model.num_layers={config.model.num_layers}],"
+                     f" got {top}")
+  if top and not config.init_from:
+    raise ValueError("config.finetune.reinit_top_layers needs config.init_from (the model to start from)")
 
 
 def is_hf(path: str) -> bool:
@@ -86,21 +96,9 @@ def resolve(config):
   return config
 
 
-def _relayout(tree, scan: bool):
-  """`tree` with every layer stack in the scanned (scan=True) or looped layout."""
-  if not isinstance(tree, dict):
-    return tree
-  stack = [k for k in tree if k == "layers" or _LAYER.fullmatch(k)]
-  rest = {k: _relayout(v, scan) for k, v in tree.items() if k not in stack}
-  if not stack:
-    return rest
-  n = jax.tree.leaves(tree["layers"])[0].shape[0] if "layers" in tree else len(stack)
-  return {**rest, **layers.put_layers(layers.get_layers(jax.device_get({k: tree[k] for k in stack}), n), scan)}
-
-
 def pretrained_params(config, mesh, rules) -> dict:
   """The params of config.init_from in the layout of config.model (resolved), on the host or on `mesh`; a LoRA
-  run's adapters merged into its kernels."""
+  run's adapters merged into its kernels. The one place a Hugging Face directory's weights are read."""
   path, m = config.init_from, config.model
   if is_hf(path):
     _, params = export.load_hf(path, **{k: m[k] for k in RUN_FIELDS if k in m and k != "num_labels"})
@@ -113,7 +111,7 @@ def pretrained_params(config, mesh, rules) -> dict:
   params = restored.state["params"]
   if params_lib.method(source):   # an adapter run's model is its merged one (NF4 kernels dequantised)
     params = jax.jit(lambda p: params_lib.merged(source, p))(params)
-  return _relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
+  return layers.relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
 
 
 # ---------------------------------------------------------------------------------------------- initial params
@@ -122,9 +120,9 @@ def _reinit_top(params: dict, fresh: dict, k: int) -> dict:
   if not k or not isinstance(params, dict):
     return params
   out = {}
-  looped = sum(1 for key in params if _LAYER.fullmatch(key))
+  looped = sum(1 for key in params if layers.LOOPED.fullmatch(key))
   for key, value in params.items():
-    m = _LAYER.fullmatch(key)
+    m = layers.LOOPED.fullmatch(key)
     if m:
       out[key] = fresh[key] if int(m.group(1)) >= looped - k else value
     elif key == "layers":
@@ -165,7 +163,7 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
   return params, report
 
 
-def start(config, fresh: dict, mesh, rules, params_sharding) -> tuple[dict, str]:
+def start_params(config, fresh: dict, mesh, rules, params_sharding) -> tuple[dict, str]:
   """(params placed by params_sharding, a one-line report): a fresh run's first params, config.init_from's where
   they fit (initial_params); the optimizer states stay zeros."""
   pretrained = params_lib.prepare(config, pretrained_params(config, mesh, rules))
@@ -204,9 +202,8 @@ def restore_params(s, source: str) -> tuple[dict, int]:
   """(params placed on the mesh, step) of eval_source's `source` for s (the train.Setup of eval_source's config):
   a Hugging Face directory's weights (step 0), or the latest checkpoint in a workdir."""
   if source == s.config.init_from and is_hf(source):
-    _, params = export.load_hf(source, **{k: s.config.model[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS,
-                                                                          "scan_layers")})
-    return jax.device_put(params_lib.prepare(s.config, params, fill=True), s.state_sharding["params"]), 0
+    params = params_lib.prepare(s.config, pretrained_params(s.config, s.mesh, s.rules), fill=True)
+    return jax.device_put(params, s.state_sharding["params"]), 0
   mngr = checkpoint.manager(source, s.config.keep_checkpoints)
   with jax.set_mesh(s.mesh):
     restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=False)

@@ -13,7 +13,6 @@ applies bias correction and BERT's does not; for the others it equals the optax 
 without `scan_layers`; params named 'bias' are never decayed. For BERT that is exactly "not LayerNorm,
 not bias", for GPT-1 exactly "rank > 1" of the original code.
 """
-import re
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +22,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from lm_jax import params as params_lib
+from lm_jax.models import layers
 
 OPTIMIZERS = ("bert_adamw", "adam_l2", "adafactor", "adamw")
 SCHEDULES = ("linear", "cosine", "rsqrt", "constant")
@@ -100,7 +100,7 @@ def layer_lr_scales(logical_axes, num_layers: int, decay: float):
   gets one factor per layer along its leading axis."""
   def scale(path, spec):
     top = path[0].key
-    looped = re.fullmatch(r"layers_(\d+)", top)
+    looped = layers.LOOPED.fullmatch(top)
     if looped:
       return np.float32(decay ** (num_layers - int(looped.group(1))))
     if top == "layers":

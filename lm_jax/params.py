@@ -169,7 +169,7 @@ def _layer_stacks(config) -> set:
   stacks = set()
   for path, is_frozen in frozen.items():
     keys = path.split("/")
-    stacks |= {tuple(keys[:i]) for i, k in enumerate(keys) if targets.LAYER.fullmatch(k) and not is_frozen}
+    stacks |= {tuple(keys[:i]) for i, k in enumerate(keys) if layers.LOOPED.fullmatch(k) and not is_frozen}
   return stacks
 
 
@@ -219,7 +219,7 @@ def trainable_mask(config) -> dict | None:
     return None
   mask = {}
   for path, is_frozen in _frozen_looped(config, patterns).items():
-    keys = ["layers" if config.model.scan_layers and targets.LAYER.fullmatch(k) else k for k in path.split("/")]
+    keys = ["layers" if config.model.scan_layers and layers.LOOPED.fullmatch(k) else k for k in path.split("/")]
     node = mask
     for k in keys[:-1]:
       node = node.setdefault(k, {})

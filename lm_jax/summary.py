@@ -5,11 +5,11 @@ allocation), then the memory estimate when lm_jax.memory is there.
 340M; GPT-1 and T5: everything, tied embeddings once); each head gets its own `head <name>:` line.
 """
 import math
-import re
 
 import jax
 
 from lm_jax import memory, models
+from lm_jax.models import layers
 
 
 def _rows(abstract) -> list[tuple[str, tuple, int, int]]:
@@ -17,7 +17,7 @@ def _rows(abstract) -> list[tuple[str, tuple, int, int]]:
   rows = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
     keys = [p.key for p in path]
-    name = "/".join(re.sub(r"^layers_\d+$", "layers_*", str(k)) for k in keys)
+    name = "/".join("layers_*" if layers.LOOPED.fullmatch(str(k)) else str(k) for k in keys)
     shape = tuple(leaf.shape)
     if name in rows:
       rows[name][2] += 1

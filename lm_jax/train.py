@@ -67,7 +67,7 @@ def _init_or_restore(s: Setup, mngr, train_it):
   if restored is None:
     state = step.fresh_state(s.config, s.tx, s.state_sharding)
     if s.config.init_from:   # pre-trained params; new heads keep the seeded init
-      params, report = init_from.start(s.config, state["params"], s.mesh, s.rules, s.state_sharding["params"])
+      params, report = init_from.start_params(s.config, state["params"], s.mesh, s.rules, s.state_sharding["params"])
       state = dict(state, params=params)
       loop.say(report)
     return state, 0

@@ -34,10 +34,9 @@ def run(cfg, params, batch, **kw):
   return _apply(ml_collections.FrozenConfigDict(cfg), params, batch, **kw)
 
 
-def scanned(params, num_layers=2):
+def scanned(params):
   """Looped params -> the scan_layers=True layout."""
-  rest = {k: v for k, v in params.items() if not k.startswith("layers_")}
-  return rest | layers.put_layers(layers.get_layers(params, num_layers), scan=True)
+  return layers.relayout(params, scan=True)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +86,25 @@ def test_scan_matches_loop_and_axes(family, bert_params, gpt_params):
   assert axes["word_embeddings"]["embedding"] == jax.sharding.PartitionSpec("vocab", "embed")
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
   assert jax.tree.structure(axes, is_leaf=is_spec) == jax.tree.structure(scanned(p))
+
+
+
+def test_relayout_converts_every_stack_both_ways():
+  """Nested stacks (T5's encoder and decoder, an adapter tree beside the params) go scanned <-> looped, layer i of
+  the looped tree being row i of the scanned one; other params pass through."""
+  rng = np.random.default_rng(0)
+  stack = lambda: {"mlp": {"wi": {"kernel": rng.normal(size=(3, 4, 5))}}, "ln": {"scale": rng.normal(size=(3, 4))}}
+  tree = {"encoder": {"layers": stack(), "final_ln": {"scale": np.ones(4)}}, "decoder": {"layers": stack()},
+          "adapters": {"layers": {"mlp": {"wi": {"a": rng.normal(size=(3, 4, 2))}}}},
+          "shared": {"embedding": np.ones(2)}}
+  looped = layers.relayout(tree, scan=False)
+  assert sorted(looped["encoder"]) == ["final_ln", "layers_0", "layers_1", "layers_2"]
+  np.testing.assert_array_equal(looped["decoder"]["layers_2"]["mlp"]["wi"]["kernel"],
+                                tree["decoder"]["layers"]["mlp"]["wi"]["kernel"][2])
+  np.testing.assert_array_equal(looped["adapters"]["layers_1"]["mlp"]["wi"]["a"],
+                                tree["adapters"]["layers"]["mlp"]["wi"]["a"][1])
+  assert jax.tree.structure(layers.relayout(looped, scan=False)) == jax.tree.structure(looped)
+  jax.tree.map(np.testing.assert_array_equal, layers.relayout(looped, scan=True), tree)
 
 
 def test_remat_policies(gpt_params):

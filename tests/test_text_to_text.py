@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import special
 
-from lm_jax import config_lib, decoding, finetune, models, objectives, predict, train
+from lm_jax import checkpoint, config_lib, decoding, init_from, models, objectives, predict, train
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.objectives import text_to_text
 
@@ -168,7 +168,8 @@ def test_recipes_are_the_papers_and_check(variant):
   """T5's fine-tuning: Adafactor at a constant 1e-3, batch 128 x 512 with targets of 128; T5's task inputs."""
   c = config_lib.load(f"configs/finetune/t5.py:{variant}")
   objectives.check(c)
-  finetune.check(c)
+  init_from.check(c)
+  checkpoint.check_best(c)
   assert (c.optimizer.name, c.optimizer.schedule, c.optimizer.warmup_steps) == ("adafactor", "constant", 0)
   if variant != "tiny":
     assert (c.optimizer.lr, c.batch_size, c.data.seq_len, c.data.target_len) == (1e-3, 128, 512, 128)

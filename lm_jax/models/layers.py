@@ -7,7 +7,7 @@ fail under jax.set_mesh (docs/toolchain.md#multi-dimensional-kernels).
 
 Layer stacks (`stack`) are scanned or looped. Scanned params live under `<name>` with a leading
 'layers' axis, looped ones under `<name>_0`, `<name>_1`, ...; `get_layers` / `put_layers` convert
-between either layout and a list of per-layer trees.
+between either layout and a list of per-layer trees, `relayout` every stack of a params-shaped tree.
 
 KV cache: an explicit pytree, no flax 'cache' collection. `Attention` takes one layer's
 {'k', 'v'} (B, S_max, H, Dh) and a write index, writes the new keys/values there and attends over
@@ -16,6 +16,7 @@ leading layer axis and restacks the updated one.
 """
 import functools
 import math
+import re
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -27,6 +28,7 @@ import numpy as np
 from lm_jax.models import nf4
 
 Init = Callable[..., jax.Array]
+LOOPED = re.compile(r"layers_(\d+)")   # a looped layer's key; scanned layers are all under "layers"
 
 # Variable collections beside 'params' that lm_jax.models.apply fills from the run's params, at the same module
 # paths and scanned with their layers: LoRA adapters (lm_jax.peft.lora) and NF4 kernels (QLoRA, Dense reads them).
@@ -442,3 +444,15 @@ def put_layers(layers: Sequence[dict], scan: bool, name: str = "layers") -> dict
     return {name: jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *layers)}
   return {f"{name}_{i}": layer for i, layer in enumerate(layers)}
 
+
+def relayout(tree, scan: bool):
+  """`tree` (params, or a nested dict shaped like them) on the host with every layer stack scanned (scan=True) or
+  looped: what a checkpoint, an HF / PEFT directory or a run with the other scan_layers holds, in the run's layout."""
+  if not isinstance(tree, dict):
+    return tree
+  stack = [k for k in tree if k == "layers" or LOOPED.fullmatch(k)]
+  rest = {k: relayout(v, scan) for k, v in tree.items() if k not in stack}
+  if not stack:
+    return rest
+  n = jax.tree.leaves(tree["layers"])[0].shape[0] if "layers" in tree else len(stack)
+  return {**rest, **put_layers(get_layers(jax.device_get({k: tree[k] for k in stack}), n), scan)}

@@ -9,9 +9,9 @@ averaged over the pairs of the global batch; beta = config.rlhf.dpo_beta. Metric
 rejected_reward), margin (chosen_reward - rejected_reward), chosen_reward, rejected_reward.
 
 The reference: the model config sets model.frozen_reference, so the params hold a second copy of the model under
-'reference' (lm_jax.models.REFERENCE). lm_jax.finetune freezes it (no gradient, no optimizer state) and fills it
-from config.init_from (the SFT workdir) like the policy, so both start equal; it is sharded and checkpointed like
-the policy. The one jitted train step runs the reference forward on each batch next to the policy's (no dropout,
+'reference' (lm_jax.models.REFERENCE). lm_jax.params freezes it (no gradient, no optimizer state), lm_jax.init_from
+fills it from config.init_from (the SFT workdir) like the policy, so both start equal; it is sharded and checkpointed
+like the policy. The one jitted train step runs the reference forward on each batch next to the policy's (no dropout,
 no gradient): nothing is precomputed, and a resumed run needs nothing but its checkpoint. The cost is one more
 forward pass per step and the reference's memory. With an adapter method (LoRA, IA³: lm_jax.params) the reference
 is the frozen base itself, the params without their adapters (PEFT's disable_adapter, as TRL does): no copy, so

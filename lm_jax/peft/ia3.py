@@ -227,4 +227,4 @@ def load(config, directory: str) -> dict:
     raise ValueError(f"{file}: {peft_format.PREFIX}{unused[0]} is not in config.ia3.targets="
                      f"{tuple(config.ia3.targets)}")
   params = {KEY: vectors, **peft_format.saved_params(config, NAME, tensors)}
-  return peft_format.to_run(params, config.model.scan_layers)
+  return layers.relayout(params, config.model.scan_layers)

@@ -25,12 +25,12 @@ from safetensors.numpy import save_file
 
 from lm_jax import hf
 from lm_jax.hf import convert
+from lm_jax.models import layers
 from lm_jax.peft import targets
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _QKV = ("query", "key", "value")
-_LAYER = targets.LAYER
 
 
 def table(model_cfg) -> dict:
@@ -49,42 +49,6 @@ def fused(name: str):
   return (m.group(1) + ".c_attn", _QKV.index(m.group(2))) if m else None
 
 
-# ---------------------------------------------------------------------------------------- looped <-> run layout
-def to_looped(tree):
-  """A params-shaped tree with every scanned 'layers' stack unstacked into layers_<i>."""
-  if not isinstance(tree, dict):
-    return tree
-  out = {k: to_looped(v) for k, v in tree.items() if k != "layers"}
-  if "layers" in tree:
-    stacked = to_looped(tree["layers"])
-    n = len(next(iter(_leaves(stacked))))
-    for i in range(n):
-      out[f"layers_{i}"] = _map(lambda a: a[i], stacked)
-  return out
-
-
-def to_run(tree, scan: bool):
-  """Inverse of _to_looped when `scan`; the tree as it is otherwise."""
-  if not isinstance(tree, dict) or not scan:
-    return tree
-  stack = sorted((int(m.group(1)), k) for k in tree if (m := _LAYER.fullmatch(k)))
-  out = {k: to_run(v, scan) for k, v in tree.items() if not _LAYER.fullmatch(k)}
-  if stack:
-    parts = [to_run(tree[k], scan) for _, k in stack]
-    out["layers"] = _map(lambda *a: np.stack(a), *parts)
-  return out
-
-
-def _leaves(tree):
-  return [x for v in tree.values() for x in _leaves(v)] if isinstance(tree, dict) else [tree]
-
-
-def _map(f, *trees):
-  if isinstance(trees[0], dict):
-    return {k: _map(f, *(t[k] for t in trees)) for k in trees[0]}
-  return f(*trees)
-
-
 def _flat(tree, prefix=()) -> dict:
   out = {}
   for k, v in tree.items():
@@ -98,7 +62,7 @@ def save_lora(config, params: dict, out_dir: str, s: float) -> None:
   the run's scale."""
   m, c = config.model, config.lora
   names = table(m)
-  adapters = {"/".join(k) + "/kernel": v for k, v in _flat(to_looped(params["lora"])).items()}
+  adapters = {"/".join(k) + "/kernel": v for k, v in _flat(layers.relayout(params["lora"], scan=False)).items()}
   tensors, modules, qkv = {}, set(), {}
   for path, node in adapters.items():
     name, _ = names[path]
@@ -295,7 +259,7 @@ def load_lora(config, path: str, s: float) -> dict:
       raise ValueError(f"{file}: the adapter of {module} has A {a.shape[::-1]}, B {b.shape[::-1]}; config.lora.rank="
                        f"{r} and the model need A {(r, math.prod(kernel[:n]))}, B {(math.prod(kernel[n:]), r)}")
     targets.put(out, tuple(looped.split("/")[:-1]), {"a": a.reshape(*kernel[:n], r), "b": b.reshape(r, *kernel[n:])})
-  return to_run({"lora": out, **saved_params(config, "lora", tensors)}, m.scan_layers)
+  return layers.relayout({"lora": out, **saved_params(config, "lora", tensors)}, m.scan_layers)
 
 
 def _split_fused(file, module, members, a, b, wanted, r) -> dict:

@@ -13,9 +13,6 @@ from jax.sharding import PartitionSpec as P
 from lm_jax import models
 from lm_jax.models import layers
 
-LAYER = re.compile(r"layers_(\d+)")
-
-
 @functools.lru_cache(maxsize=16)
 def _looped(model_json: str) -> tuple[dict, dict]:
   """({looped path string: ShapeDtypeStruct}, {same: logical PartitionSpec}) of every param."""
@@ -49,7 +46,7 @@ def kernels(config, group) -> list[str]:
 def run_path(config, looped: str) -> tuple[str, ...]:
   """Path in the run's layout: a scanned stack keeps all its layers under 'layers'."""
   keys = tuple(looped.split("/"))
-  return tuple("layers" if config.model.scan_layers and LAYER.fullmatch(k) else k for k in keys)
+  return tuple("layers" if config.model.scan_layers and layers.LOOPED.fullmatch(k) else k for k in keys)
 
 
 def groups(config, group) -> dict:

@@ -132,8 +132,7 @@ def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part,
                                out_shardings=part.sharding["params"])(seed)
   params = fresh(policy)
   if c.init_from:
-    pretrained = params_lib.prepare(c, init_from.pretrained_params(c, s.mesh, s.rules))
-    params, report = init_from.initial_params(c, params, pretrained)
+    params, report = init_from.start_params(c, params, s.mesh, s.rules, policy.sharding["params"])
     loop_lib.say(report)
   reward = None
   if reward_model:
