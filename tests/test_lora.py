@@ -169,11 +169,15 @@ def test_init_merge_unmerge_and_config_errors():
   assert np.abs(q["a"]).max() <= bound and np.std(q["a"]) == pytest.approx(bound / np.sqrt(3), rel=0.15)
   params = random_params(looped)
   merged = jax.jit(lambda p: lora.merge(p, p[lora.KEY], lora.scale(looped)))(params)
-  back = jax.jit(lambda m, ad: lora.unmerge(m, ad, lora.scale(looped)))(merged, params[lora.KEY])
   base = params_lib.base(looped, params)
-  assert "lora" not in merged and jax.tree.structure(back) == jax.tree.structure(base)
-  for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(base)):
-    np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+  assert "lora" not in merged and jax.tree.structure(merged) == jax.tree.structure(base)
+  adapter = params[lora.KEY]["layers_0"]["attention"]["query"]   # W + s·A·B, the rest untouched
+  delta = lora.scale(looped) * np.asarray(adapter["a"]) @ np.asarray(adapter["b"]).reshape(8, -1)
+  np.testing.assert_allclose(np.asarray(merged["layers_0"]["attention"]["query"]["kernel"]).reshape(32, -1),
+                             np.asarray(base["layers_0"]["attention"]["query"]["kernel"]).reshape(32, -1) + delta,
+                             rtol=0, atol=1e-6)
+  np.testing.assert_array_equal(merged["layers_0"]["attention"]["key"]["kernel"],
+                                base["layers_0"]["attention"]["key"]["kernel"])
   assert lora.scale(looped) == 8 / 8 and lora.scale(run_config("gpt", rank=4, rslora=True)) == 8 / 2
   with pytest.raises(ValueError, match="params hold LoRA adapters"):
     models.apply(looped.model, params, batch("gpt"))
@@ -355,7 +359,8 @@ def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):
       state, metrics = train_step(state, _batch(config, seed=i))
   after = jax.device_get(state["params"])
   wi = after["layers_0"]["mlp"]["wi"]["kernel"]
-  assert isinstance(wi, nf4.NF4) and 4.125 < nf4.bits_per_param(wi) < 4.15   # 4.127 + per-tensor scale, mean
+  stored, represented = nf4.storage(wi)
+  assert isinstance(wi, nf4.NF4) and 4.125 < 8 * stored / represented < 4.15   # 4.127 + per-tensor scale, mean
   assert isinstance(after["word_embeddings"]["embedding"], np.ndarray)   # only Dense kernels are quantised
   for x, y in zip(jax.tree.leaves({k: v for k, v in before.items() if k != "lora"}),
                   jax.tree.leaves({k: v for k, v in after.items() if k != "lora"})):

@@ -226,16 +226,10 @@ def _bytes(x) -> int:
 
 
 def storage(tree) -> tuple[int, int]:
-  """(bytes stored, parameters represented) of a tree of arrays, ShapeDtypeStructs and NF4s."""
+  """(bytes stored, parameters represented) of a tree of arrays, ShapeDtypeStructs and NF4s. A double-quantised
+  NF4 weight of a size a multiple of 64 * 256 stores 4 + 8/64 + 32/(64*256) bits per parameter, plus 32 / size."""
   nbytes = params = 0
   for x in jax.tree.leaves(tree, is_leaf=is_nf4):
     nbytes += sum(_bytes(a) for a in jax.tree.leaves(x))
     params += math.prod(x.shape) * (math.prod(layers(x)) if is_nf4(x) else 1)
   return nbytes, params
-
-
-def bits_per_param(tree) -> float:
-  """Storage bits per represented parameter of an NF4 or of a tree holding some: 4 + 8/64 + 32/(64*256) plus
-  32 / size for a double-quantised weight of a size a multiple of 64 * 256."""
-  nbytes, params = storage(tree)
-  return 8 * nbytes / params

@@ -155,11 +155,6 @@ def merge(params: dict, adapters: dict, s: float) -> dict:
   return _apply({k: v for k, v in params.items() if k != KEY}, adapters, s)
 
 
-def unmerge(merged: dict, adapters: dict, s: float) -> dict:
-  """Inverse of merge: the base params again, within float32 rounding."""
-  return _apply(merged, adapters, -s)
-
-
 def fold(config, plain: dict, adapters: dict) -> dict:
   """Plain params with the adapters merged into their kernels."""
   return _apply(plain, adapters, scale(config))
