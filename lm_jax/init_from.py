@@ -53,13 +53,18 @@ def is_hf(path: str) -> bool:
 def saved_config(path: str) -> dict:
   """The saved config of the latest checkpoint of the run in `path`."""
   mngr = checkpoint.manager(path, 1)
+  try:
+    return _latest_config(mngr, path)
+  finally:
+    mngr.close()
+
+
+def _latest_config(mngr, path: str) -> dict:
   latest = mngr.latest_step()
   if latest is None:
     raise FileNotFoundError(f"config.init_from={path!r}: neither a Hugging Face directory (config.json) nor a "
                             "workdir with a checkpoint")
-  saved = mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
-  mngr.close()
-  return saved
+  return mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
 
 
 def source_model(path: str) -> tuple[ml_collections.ConfigDict, str]:
@@ -103,11 +108,13 @@ def pretrained_params(config, mesh, rules) -> dict:
   if is_hf(path):
     _, params = export.load_hf(path, **{k: m[k] for k in RUN_FIELDS if k in m and k != "num_labels"})
     return params
-  source = ml_collections.ConfigDict(saved_config(path))
-  _, _, abstract, shardings = step.state_layout(source, mesh, rules)
-  mngr = checkpoint.manager(path, 1)
-  restored = checkpoint.restore_latest(mngr, abstract, shardings, source, with_data=False)
-  mngr.close()
+  mngr = checkpoint.manager(path, 1)   # one manager for the saved config and the params
+  try:
+    source = ml_collections.ConfigDict(_latest_config(mngr, path))
+    _, _, abstract, shardings = step.state_layout(source, mesh, rules)
+    restored = checkpoint.restore_latest(mngr, abstract, shardings, source, with_data=False)
+  finally:
+    mngr.close()
   params = restored.state["params"]
   if params_lib.method(source):   # an adapter run's model is its merged one (NF4 kernels dequantised)
     params = jax.jit(lambda p: params_lib.merged(source, p))(params)
