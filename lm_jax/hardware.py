@@ -60,7 +60,10 @@ def cpu_model() -> str:
 
 
 def cache_key(dtype: str = "float32") -> str:
-  return f"{cpu_model()} | {len(os.sched_getaffinity(0))} cores | jax {jax.__version__} | {dtype}"
+  """The machine as the measurement sees it: the cores this process may use (os.sched_getaffinity is Linux-only,
+  like /proc/cpuinfo in cpu_model), not every core of the host."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return f"{cpu_model()} | {cores} cores | jax {jax.__version__} | {dtype}"
 
 
 def cpu_peak(dtype: str = "float32") -> tuple[float, str]:
