@@ -39,7 +39,7 @@ def peak(devices, peak_tflops: float = 0.0) -> tuple[float, str]:
 
 
 def describe(flops: float, source: str) -> str:
-  """The run's start-up line, e.g. 'peak 0.29 TFLOP/s (measured float32 matmul, best of 10, cached in ...)'."""
+  """The run's start-up line, e.g. 'peak 0.29 TFLOP/s (measured float32 matmul, cached in ...)'."""
   return f"peak {flops / 1e12:.3g} TFLOP/s ({source})"
 
 
