@@ -29,7 +29,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from etils import epath
 from flax import linen as nn
@@ -38,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from lm_jax import (checkpoint, init_from, loop as loop_lib, metrics_log, models, params as params_lib, sharding,
                     step, train as train_lib)
 from lm_jax.data import instructions, pipeline
+from lm_jax.models import layers
 from lm_jax.objectives import clm, rewards
 from lm_jax.rlhf import ppo_math, rollout, scoring, update
 
@@ -99,12 +99,7 @@ def build(config, workdir: str, devices=None) -> Run:
   s = train_lib.setup(config, workdir, devices)
   c, p = s.config, s.config.ppo
   reward_model = _reward_model(c) if p.reward_from else None
-  if reward_model:
-    value_model = reward_model
-  else:
-    value_model = ml_collections.ConfigDict(c.model.to_dict())
-    with value_model.unlocked():
-      value_model.num_labels = 1
+  value_model = reward_model or layers.replace(c.model, num_labels=1)
   minibatch = c.batch_size // p.minibatches
   per_update = c.microbatches * math.prod(s.mesh.shape[a] for a in sharding.BATCH_AXES)
   if minibatch % per_update:
