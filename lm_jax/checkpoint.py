@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from lm_jax import metrics_log
 
@@ -51,7 +52,6 @@ def data_state(iterator) -> dict:
   local = iterator.get_state()
   if jax.process_count() == 1:
     return local
-  from jax.experimental import multihost_utils
   raw = np.frombuffer(json.dumps(local).encode(), np.uint8)
   size = int(np.max(multihost_utils.process_allgather(np.int32(raw.size))))
   padded = np.zeros(size, np.uint8)
@@ -272,7 +272,6 @@ class Preemption:
     """Whether any host received SIGTERM (all hosts must stop at the same step)."""
     if jax.process_count() == 1:
       return self.requested
-    from jax.experimental import multihost_utils
     return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
 
 

@@ -10,6 +10,7 @@ from typing import Callable
 import jax
 from etils import epath
 from flax import linen as nn
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from lm_jax import (checkpoint, config_lib, hardware, init_from, loop, metrics_log, objectives, params as params_lib,
@@ -152,7 +153,6 @@ def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = Fals
   or with `merged` the model with the adapters merged in."""
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
-    from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     params = jax.device_get(params)
