@@ -86,7 +86,6 @@ class _Labels:
     self.names, self.num_labels, self.missing = names, num_labels, missing
 
   def __call__(self, raw):
-    raw = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
     raw = raw.strip() if isinstance(raw, str) else raw
     if raw is None or raw == "" or (self.missing is not None and not isinstance(raw, str) and raw == self.missing):
       return None
