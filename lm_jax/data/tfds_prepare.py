@@ -7,6 +7,8 @@ import importlib.util
 import sys
 import types
 
+from etils import epath
+
 
 def tfdata_records(builder, split, name):
   """The rows of a split prepared as tfrecord, through tf.data (which needs TensorFlow)."""
@@ -57,7 +59,6 @@ def _gfile_without_tensorflow(builder):
   if have_tensorflow() or not hasattr(module, "tf"):
     yield
     return
-  from etils import epath
   gfile = types.SimpleNamespace(
       GFile=lambda path, mode="r": epath.Path(path).open(mode),
       exists=lambda path: epath.Path(path).exists(),
