@@ -276,6 +276,14 @@ class Preemption:
 
 
 # -------------------------------------------------------------------------------------------------- best checkpoint
+def copy_tokenizers(workdir, to):
+  """The run's trained tokenizers (workdir/tokenizer_*.model) into `to`, a workdir of its own that later runs read
+  like any other (WORKDIR/best, PPO's WORKDIR/policy). Process 0 writes."""
+  if jax.process_index() == 0:
+    for tokenizer in epath.Path(workdir).glob("tokenizer_*.model"):
+      tokenizer.copy(epath.Path(to) / tokenizer.name, overwrite=True)
+
+
 def check_best(config):
   """One-line ValueError for a config.finetune.best_metric that Best cannot keep."""
   best = config.finetune.best_metric
@@ -312,9 +320,8 @@ class Best:
       return False
     save(self.mngr, record["step"], state, data_state, config)
     finish(self.mngr)
+    copy_tokenizers(self.workdir, self.dir)
     if jax.process_index() == 0:
-      for tokenizer in self.workdir.glob("tokenizer_*.model"):
-        tokenizer.copy(self.dir / tokenizer.name, overwrite=True)
       self._record_path.write_text(json.dumps(record))
     self.record = record
     return True

@@ -217,9 +217,7 @@ def _policy_workdir(run: Run, workdir: str):
   checkpoint, so generate, eval, export and a next stage read it (--workdir or --init_from) like any other run."""
   path = epath.Path(workdir) / "policy"
   mngr = checkpoint.manager(str(path), 1)
-  if jax.process_index() == 0:
-    for tokenizer in epath.Path(run.workdir).glob("tokenizer_*.model"):
-      tokenizer.copy(path / tokenizer.name, overwrite=True)
+  checkpoint.copy_tokenizers(run.workdir, path)
   return mngr
 
 
