@@ -47,7 +47,7 @@ class Model(nn.Module):
 def embed_inputs(cfg, ids, positions, train: bool):
   """Token + learned position embeddings and dropout, created in the calling Model (GPT-1's and GPT-2's params)
   -> (x (B,T,D), the token Embed, whose `attend` is the tied LM head)."""
-  kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
+  kw = layers.dtypes(cfg)
   init = nn.initializers.normal(cfg.initializer_range)
   embed = layers.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="word_embeddings", **kw)
   x = embed(ids) + layers.Embed(cfg.max_positions, cfg.d_model, (None, "embed"), embedding_init=init,
@@ -62,9 +62,9 @@ def outputs(cfg, x, embed) -> dict:
   logits = layers.constrain(embed.attend(x), ("batch", "length", "vocab")).astype(jnp.float32)
   out = {"logits": logits, "hidden": x}
   if cfg.get("num_labels", 0):
-    kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
-    out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=nn.initializers.normal(
-        cfg.initializer_range), name="classifier", **kw)(x).astype(jnp.float32)
+    init = nn.initializers.normal(cfg.initializer_range)
+    out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
+                                 **layers.dtypes(cfg))(x).astype(jnp.float32)
   return out
 
 

@@ -24,7 +24,6 @@ class Model(nn.Module):
   @nn.compact
   def __call__(self, batch: dict, train: bool = False, cache: dict | None = None) -> dict:
     cfg = self.cfg
-    kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
     init = nn.initializers.normal(cfg.initializer_range)
     out_init = nn.initializers.normal(cfg.initializer_range / math.sqrt(2 * cfg.num_layers))
     positions, mask, layer_cache, index, key_mask = gpt.causal_inputs(batch, cache)
@@ -32,7 +31,7 @@ class Model(nn.Module):
     x, layer_cache = layers.stack(layers.PreLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
                                   cfg=cfg, deterministic=not train, kernel_init=init,
                                   out_init=out_init)(x, layer_cache, mask, index)
-    x = layers.LayerNorm(cfg.layer_norm_eps, name="final_ln", **kw)(x)
+    x = layers.LayerNorm(cfg.layer_norm_eps, name="final_ln", **layers.dtypes(cfg))(x)
     out = gpt.outputs(cfg, x, embed)
     if cache is not None:
       out["cache"] = {**layer_cache, "mask": key_mask, "index": index + batch["input_ids"].shape[1]}
