@@ -157,10 +157,11 @@ def worker_ours(args):
 def _hf_model(config):
   import transformers
   from lm_jax import hf
-  fields = hf.family_module(config.model).hf_config(config.model)
+  mod = hf.family_module(config.model)
+  fields = mod.hf_config(config.model)
   fields.pop("architectures")
   hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-  return getattr(transformers, hf.family_module(config.model).ARCHITECTURE)(hf_config)
+  return getattr(transformers, mod.ARCHITECTURE)(hf_config)
 
 
 def _hf_inputs(config, batch):

@@ -208,9 +208,14 @@ def spm_sentences(line: str, max_bytes: int = _MAX_SENTENCE_BYTES):
     start = end
 
 
+def num_sentinels(family: str) -> int:
+  """Model ids a family's tokenizer has beyond its vocab_size: T5's sentinels (Tokens.sentinels), else none."""
+  return NUM_SENTINELS if model_lib.family(family).tokens.sentinels else 0
+
+
 def spm_vocab_size(family: str, model_vocab_size: int) -> int:
   """SentencePiece size to train so the tokenizer fills the model vocab (T5 keeps 100 ids for sentinels)."""
-  sentinels = NUM_SENTINELS if model_lib.family(family).tokens.sentinels else 0
+  sentinels = num_sentinels(family)
   size = model_vocab_size - sentinels
   if size < 16:
     raise ValueError(f"config.model.vocab_size={model_vocab_size} is too small for a {family} tokenizer"
@@ -236,7 +241,7 @@ def load_or_train(config, workdir: str) -> Tokenizer:
       tmp.write_bytes(proto)
       tmp.replace(path)
     tok = _sentencepiece(path.read_bytes(), family)
-  sentinels = NUM_SENTINELS if model_lib.family(family).tokens.sentinels else 0
+  sentinels = num_sentinels(family)
   need = tok.vocab_size + sentinels
   if vocab < need:
     extra = f" + {sentinels} sentinels" if sentinels else ""

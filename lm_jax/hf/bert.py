@@ -75,7 +75,7 @@ def hf_config(cfg) -> dict:
             "label2id": {n: i for i, n in enumerate(names)},
             "problem_type": "regression" if labels == 1 else "single_label_classification"}
   return {
-      "architectures": ["BertForMaskedLM", "BertForPreTraining"], "model_type": "bert",   # fill-mask first
+      "architectures": ["BertForMaskedLM", "BertForPreTraining"], "model_type": MODEL_TYPE,   # fill-mask first
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "intermediate_size": cfg.d_ff,
       "hidden_act": _ACT_TO_HF[cfg.activation], "hidden_dropout_prob": cfg.dropout_rate,
@@ -91,7 +91,7 @@ def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
     raise ValueError(f"position_embedding_type {hf['position_embedding_type']!r} is not supported (absolute only)")
   if hf["hidden_act"] not in _ACT_FROM_HF:
     raise ValueError(f"unsupported BERT hidden_act {hf['hidden_act']!r}; known: {', '.join(_ACT_FROM_HF)}")
-  m = defaults.model_defaults("bert")
+  m = defaults.model_defaults(FAMILY)
   m.vocab_size, m.d_model, m.num_layers = hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"]
   m.num_heads, m.d_ff = hf["num_attention_heads"], hf["intermediate_size"]
   m.activation = _ACT_FROM_HF[hf["hidden_act"]]

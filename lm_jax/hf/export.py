@@ -29,7 +29,7 @@ def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer 
   config = mod.hf_config(model_cfg)
   tensors = mod.to_hf(model_cfg, params)
   if tokenizer is not None:   # first: a tokenizer that does not fit stops the export before any file is written
-    need = tokenizer.vocab_size + (tokenizer_lib.NUM_SENTINELS if fam.tokens.sentinels else 0)
+    need = tokenizer.vocab_size + tokenizer_lib.num_sentinels(fam.name)
     if need > model_cfg.vocab_size:
       raise ValueError(f"the tokenizer has {need} ids, more than the model's vocab_size={model_cfg.vocab_size}")
     hf_tokenizer.save(tokenizer, fam.name, out_dir,   # relative positions (T5) have no length limit

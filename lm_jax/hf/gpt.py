@@ -43,7 +43,7 @@ def hf_config(cfg) -> dict:
   if cfg.activation not in _ACT_TO_HF:
     raise ValueError(f"HF OpenAIGPT has no activation {cfg.activation!r}; use one of {', '.join(_ACT_TO_HF)}")
   return {
-      "architectures": ["OpenAIGPTLMHeadModel"], "model_type": "openai-gpt",
+      "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
       "vocab_size": cfg.vocab_size, "n_positions": cfg.max_positions, "n_embd": cfg.d_model,
       "n_layer": cfg.num_layers, "n_head": cfg.num_heads, "afn": _ACT_TO_HF[cfg.activation],
       "resid_pdrop": cfg.dropout_rate, "embd_pdrop": cfg.dropout_rate, "attn_pdrop": cfg.attention_dropout_rate,
@@ -55,7 +55,7 @@ def hf_config(cfg) -> dict:
 def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
   if hf["afn"] not in _ACT_FROM_HF:
     raise ValueError(f"unsupported OpenAIGPT afn {hf['afn']!r}; known: {', '.join(_ACT_FROM_HF)}")
-  m = defaults.model_defaults("gpt")
+  m = defaults.model_defaults(FAMILY)
   m.vocab_size, m.max_positions, m.d_model = hf["vocab_size"], hf["n_positions"], hf["n_embd"]
   m.num_layers, m.num_heads, m.d_ff = hf["n_layer"], hf["n_head"], 4 * hf["n_embd"]
   m.activation = _ACT_FROM_HF[hf["afn"]]

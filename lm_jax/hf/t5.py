@@ -53,7 +53,7 @@ def hf_config(cfg) -> dict:
   act = _ACT_TO_HF[cfg.activation]
   proj = ("gated-gelu" if act == "gelu_new" else f"gated-{act}") if cfg.gated_ffn else act
   return {
-      "architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "is_encoder_decoder": True,
+      "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "is_encoder_decoder": True,
       "vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "d_kv": layers.head_dim(cfg), "d_ff": cfg.d_ff,
       "num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "num_decoder_layers": num_decoder_layers(cfg),
       "feed_forward_proj": proj, "tie_word_embeddings": bool(cfg.tie_embeddings),
@@ -73,7 +73,7 @@ def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
   act = "gelu_new" if proj == "gated-gelu" else parts[-1]
   if act not in _ACT_FROM_HF or len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
     raise ValueError(f"unsupported T5 feed_forward_proj {proj!r}; known: relu, gelu, gelu_new, gated-<one of these>")
-  m = defaults.model_defaults("t5")
+  m = defaults.model_defaults(FAMILY)
   m.activation, m.gated_ffn = _ACT_FROM_HF[act], len(parts) == 2
   m.vocab_size, m.d_model, m.d_ff = hf["vocab_size"], hf["d_model"], hf["d_ff"]
   m.num_heads, m.head_dim, m.num_layers = hf["num_heads"], hf["d_kv"], hf["num_layers"]

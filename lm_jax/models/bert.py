@@ -27,7 +27,7 @@ class MLMHead(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, embed: layers.Embed) -> jax.Array:
     cfg = self.cfg
-    kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
+    kw = layers.dtypes(cfg)
     init = nn.initializers.truncated_normal(cfg.initializer_range)
     x = layers.Dense((cfg.d_model,), ("embed", "mlp"), kernel_init=init, name="dense", **kw)(x)
     x = layers.LayerNorm(cfg.layer_norm_eps, name="ln", **kw)(layers.activation(cfg.activation)(x))
@@ -50,7 +50,7 @@ class Model(nn.Module):
   @nn.compact
   def __call__(self, batch: dict, train: bool = False) -> dict:
     cfg = self.cfg
-    kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
+    kw = layers.dtypes(cfg)
     init = nn.initializers.truncated_normal(cfg.initializer_range)
     ids = batch["input_ids"]
     token_types = batch.get("token_type_ids", jnp.zeros_like(ids))

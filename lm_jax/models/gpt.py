@@ -33,25 +33,39 @@ class Model(nn.Module):
   @nn.compact
   def __call__(self, batch: dict, train: bool = False, cache: dict | None = None) -> dict:
     cfg = self.cfg
-    kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
     init = nn.initializers.normal(cfg.initializer_range)
-    ids = batch["input_ids"]
     positions, mask, layer_cache, index, key_mask = causal_inputs(batch, cache)
-    embed = layers.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="word_embeddings", **kw)
-    x = embed(ids) + layers.Embed(cfg.max_positions, cfg.d_model, (None, "embed"), embedding_init=init,
-                                  name="position_embeddings", **kw)(positions)
-    x = layers.Dropout(cfg.dropout_rate, deterministic=not train)(x)
-    x = layers.constrain(x, ("batch", "length", "embed"))
+    x, embed = embed_inputs(cfg, batch["input_ids"], positions, train)
     x, layer_cache = layers.stack(layers.PostLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
                                   cfg=cfg, deterministic=not train, kernel_init=init)(x, layer_cache, mask, index)
-    logits = layers.constrain(embed.attend(x), ("batch", "length", "vocab")).astype(jnp.float32)
-    out = {"logits": logits, "hidden": x}
-    if cfg.get("num_labels", 0):
-      out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
-                                   **kw)(x).astype(jnp.float32)
+    out = outputs(cfg, x, embed)
     if cache is not None:
-      out["cache"] = {**layer_cache, "mask": key_mask, "index": index + ids.shape[1]}
+      out["cache"] = {**layer_cache, "mask": key_mask, "index": index + batch["input_ids"].shape[1]}
     return out
+
+
+def embed_inputs(cfg, ids, positions, train: bool):
+  """Token + learned position embeddings and dropout, created in the calling Model (GPT-1's and GPT-2's params)
+  -> (x (B,T,D), the token Embed, whose `attend` is the tied LM head)."""
+  kw = layers.dtypes(cfg)
+  init = nn.initializers.normal(cfg.initializer_range)
+  embed = layers.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="word_embeddings", **kw)
+  x = embed(ids) + layers.Embed(cfg.max_positions, cfg.d_model, (None, "embed"), embedding_init=init,
+                                name="position_embeddings", **kw)(positions)
+  x = layers.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+  return layers.constrain(x, ("batch", "length", "embed")), embed
+
+
+def outputs(cfg, x, embed) -> dict:
+  """The calling Model's outputs from the last hidden state: logits of the tied LM head, hidden, and with
+  num_labels > 0 the 'classifier' head's scores."""
+  logits = layers.constrain(embed.attend(x), ("batch", "length", "vocab")).astype(jnp.float32)
+  out = {"logits": logits, "hidden": x}
+  if cfg.get("num_labels", 0):
+    init = nn.initializers.normal(cfg.initializer_range)
+    out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
+                                 **layers.dtypes(cfg))(x).astype(jnp.float32)
+  return out
 
 
 def causal_inputs(batch: dict, cache: dict | None):

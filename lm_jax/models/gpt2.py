@@ -10,7 +10,6 @@ import math
 from typing import Any
 
 import flax.linen as nn
-import jax.numpy as jnp
 
 from lm_jax.models import gpt, layers
 from lm_jax.models.registry import Family
@@ -25,27 +24,17 @@ class Model(nn.Module):
   @nn.compact
   def __call__(self, batch: dict, train: bool = False, cache: dict | None = None) -> dict:
     cfg = self.cfg
-    kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
     init = nn.initializers.normal(cfg.initializer_range)
     out_init = nn.initializers.normal(cfg.initializer_range / math.sqrt(2 * cfg.num_layers))
-    ids = batch["input_ids"]
     positions, mask, layer_cache, index, key_mask = gpt.causal_inputs(batch, cache)
-    embed = layers.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="word_embeddings", **kw)
-    x = embed(ids) + layers.Embed(cfg.max_positions, cfg.d_model, (None, "embed"), embedding_init=init,
-                                  name="position_embeddings", **kw)(positions)
-    x = layers.Dropout(cfg.dropout_rate, deterministic=not train)(x)
-    x = layers.constrain(x, ("batch", "length", "embed"))
+    x, embed = gpt.embed_inputs(cfg, batch["input_ids"], positions, train)
     x, layer_cache = layers.stack(layers.PreLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
                                   cfg=cfg, deterministic=not train, kernel_init=init,
                                   out_init=out_init)(x, layer_cache, mask, index)
-    x = layers.LayerNorm(cfg.layer_norm_eps, name="final_ln", **kw)(x)
-    logits = layers.constrain(embed.attend(x), ("batch", "length", "vocab")).astype(jnp.float32)
-    out = {"logits": logits, "hidden": x}
-    if cfg.get("num_labels", 0):
-      out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
-                                   **kw)(x).astype(jnp.float32)
+    x = layers.LayerNorm(cfg.layer_norm_eps, name="final_ln", **layers.dtypes(cfg))(x)
+    out = gpt.outputs(cfg, x, embed)
     if cache is not None:
-      out["cache"] = {**layer_cache, "mask": key_mask, "index": index + ids.shape[1]}
+      out["cache"] = {**layer_cache, "mask": key_mask, "index": index + batch["input_ids"].shape[1]}
     return out
 
 

@@ -95,6 +95,11 @@ def dtype(name: str):
   return DTYPES[name]
 
 
+def dtypes(cfg) -> dict:
+  """The dtype / param_dtype keywords every layer of a model takes, from its config."""
+  return dict(dtype=dtype(cfg.dtype), param_dtype=dtype(cfg.param_dtype))
+
+
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
   if name not in ACTIVATIONS:
     raise ValueError(f"unknown activation {name!r}; known: {', '.join(ACTIVATIONS)}")

@@ -69,8 +69,8 @@ class RelativeBias(nn.Module):
   def __call__(self, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
     cfg = self.cfg
     table = layers.Embed(cfg.relative_attention_num_buckets, cfg.num_heads, axes=("relpos_buckets", "heads"),
-                         dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype),
-                         embedding_init=nn.initializers.normal(cfg.d_model ** -0.5), name="table")
+                         embedding_init=nn.initializers.normal(cfg.d_model ** -0.5), name="table",
+                         **layers.dtypes(cfg))
     bucket = relative_position_bucket(kv_pos[None, :] - q_pos[:, None], bidirectional=self.bidirectional,
                                       num_buckets=cfg.relative_attention_num_buckets,
                                       max_distance=cfg.relative_attention_max_distance)
@@ -91,7 +91,7 @@ class Block(nn.Module):
   def __call__(self, x, cache, mask, bias, encoded=None, cross_mask=None, cache_index=None):
     cfg = self.cfg
     d, h, dh = cfg.d_model, cfg.num_heads, layers.head_dim(cfg)
-    kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
+    kw = layers.dtypes(cfg)
     norm = lambda name: layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, use_mean=False, name=name, **kw)
     drop = lambda y: layers.Dropout(cfg.dropout_rate, deterministic=self.deterministic)(y)
     attention = lambda name: layers.Attention(
@@ -136,8 +136,8 @@ class Stack(nn.Module):
                        deterministic=deterministic)
     shared = (mask, bias) + ((encoded, cross_mask, cache_index) if self.decoder else ())
     x, cache = run(drop(x), cache, *shared)
-    x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, use_mean=False, dtype=layers.dtype(cfg.dtype),
-                         param_dtype=layers.dtype(cfg.param_dtype), name="final_norm")(x)
+    x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, use_mean=False, name="final_norm",
+                         **layers.dtypes(cfg))(x)
     return layers.constrain(drop(x), ("batch", "length", "embed")), cache
 
 
@@ -154,7 +154,7 @@ class Model(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
+    kw = layers.dtypes(cfg)
     self.shared = layers.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(1.0), **kw)
     if not cfg.tie_embeddings:
       self.lm_head = layers.Dense((cfg.vocab_size,), ("embed", "vocab"), use_bias=False,
