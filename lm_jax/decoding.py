@@ -62,11 +62,10 @@ def _pad(rows, width: int, pad_id: int, left: bool = False) -> tuple[np.ndarray,
 # --------------------------------------------------------------------------------------------- decoder state
 def _start(cfg, params, ids, mask, cache_len: int):
   """Feeds the prompts -> (logits of each row's first new token (B, V), decoder state)."""
-  fam = models.family(cfg)
-  if fam.layout == "decoder":
+  if models.family(cfg).layout == "decoder":
     cache = models.init_cache(cfg, params, {"input_ids": ids}, cache_len)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    logits, cache = fam.decode_step(cfg, params, ids, cache, mask, positions)
+    logits, cache = models.decode_step(cfg, params, ids, cache, mask, positions)
     return logits[:, -1], {"cache": cache, "position": positions[:, -1] + 1}
   cache = models.init_cache(cfg, params, {"input_ids": ids, "attention_mask": mask}, cache_len)
   start = jnp.full((ids.shape[0], 1), cfg.decoder_start_token_id, jnp.int32)
@@ -76,9 +75,9 @@ def _start(cfg, params, ids, mask, cache_len: int):
 
 def _feed(cfg, params, tokens, state):
   """One new token per row (B,) -> (logits of the next one (B, V), state)."""
-  fam = models.family(cfg)
-  if fam.layout == "decoder":
-    logits, cache = fam.decode_step(cfg, params, tokens[:, None], state["cache"], positions=state["position"][:, None])
+  if models.family(cfg).layout == "decoder":
+    logits, cache = models.decode_step(cfg, params, tokens[:, None], state["cache"],
+                                       positions=state["position"][:, None])
     return logits[:, -1], {"cache": cache, "position": state["position"] + 1}
   logits, cache = models.decode_step(cfg, params, tokens[:, None], state["cache"])
   return logits[:, -1], {"cache": cache}

@@ -113,13 +113,15 @@ def init_cache(model_cfg, params: dict, batch: dict, max_length: int) -> dict:
   return family(model_cfg).init_cache(layers.frozen(model_cfg), params, batch, max_length)
 
 
-def decode_step(model_cfg, params: dict, input_ids: jax.Array, cache: dict,
-                attention_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
+def decode_step(model_cfg, params: dict, input_ids: jax.Array, cache: dict, attention_mask: jax.Array | None = None,
+                positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Feeds the next (decoder) tokens (B,T) at cache['index'] -> (their logits (B,T,V), updated cache).
-  attention_mask (B,T) marks padding among the new tokens. Jit it with model_cfg closed over."""
+  attention_mask (B,T) marks padding among the new tokens; positions (B,T) (decoder-only families: left-padded
+  rows count from their first token) default to the cache slots. Jit it with model_cfg closed over."""
   check_plain(params)
   _check_decoder(model_cfg)
-  return family(model_cfg).decode_step(layers.frozen(model_cfg), params, input_ids, cache, attention_mask)
+  extra = {} if positions is None else {"positions": positions}
+  return family(model_cfg).decode_step(layers.frozen(model_cfg), params, input_ids, cache, attention_mask, **extra)
 
 
 def _check_decoder(model_cfg) -> None:
