@@ -154,7 +154,7 @@ def read(config, heuristic: str, split: str) -> Split:
   def usable(label_names):
     c.task.label_names = label_names
     recs = tasks.records(c, split)
-    found = [r for r in (recs[i] for i in range(len(recs)))
+    found = [r for r in recs
              if isinstance(r, tasks.Record) and r.label is not None and all(x.strip() for x in r.texts)]
     return found, len(recs), recs.path
 

@@ -223,7 +223,7 @@ def generate_texts(config, params, tokenizer, split: str, *, batch_size: int = 3
   `split` -> {index, prediction (texts), target (texts; None when unlabelled), exact_match (the share of labelled
   examples whose decoded text equals the target text, T5's exact match)}. Under the run's mesh, like generate."""
   recs = text_records(config, split)
-  found = [(i, rec) for i, rec in ((i, recs[i]) for i in range(len(recs))) if not isinstance(rec, records.Bad)]
+  found = [(i, rec) for i, rec in enumerate(recs) if not isinstance(rec, records.Bad)]
   if not found:
     raise ValueError(f"{recs.path}: no usable examples")
   eos, limit = tokenizer.eos_id, config.data.seq_len - 1
