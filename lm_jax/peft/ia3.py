@@ -24,6 +24,7 @@ from lm_jax.models import layers
 from lm_jax.peft import peft_format, targets
 
 NAME = KEY = "ia3"       # the config group, and the vectors' top-level key in the params tree
+TITLE = "IA³"
 
 
 def enabled(config) -> bool:

@@ -24,6 +24,7 @@ from lm_jax.models import layers, nf4
 from lm_jax.peft import peft_format, targets
 
 NAME = KEY = "lora"      # the config group, and the adapters' top-level key in the params tree
+TITLE = "LoRA"
 
 
 def enabled(config) -> bool:
