@@ -68,15 +68,14 @@ def _shapes(config) -> dict:
   for run_path, group in targets.groups(config, config.lora).items():
     shape, spec = shapes[group[0]].shape, tuple(specs[group[0]])
     n = targets.n_in(spec)
-    lead, lead_spec = ((len(group),), ("layers",)) if "layers" in run_path else ((), ())
+    lead, lead_spec = targets.lead(run_path, group)
     out[run_path] = ((lead + shape[:n] + (r,), P(*lead_spec, *spec[:n], None)),
                      (lead + (r,) + shape[n:], P(*lead_spec, None, *spec[n:])))
   return out
 
 
 def adapted(config) -> list[tuple[str, ...]]:
-  """Run-layout paths of the adapted Dense modules."""
-  return [p[:-1] for p in _shapes(config)]
+  return targets.adapted(config, config.lora)
 
 
 def _tree(config, leaf) -> dict:
