@@ -52,11 +52,20 @@ def init(config, rng: jax.Array) -> dict:
                             m.KEY: m.init(config, jax.random.fold_in(r, 1))})(rng)
 
 
+_ABSTRACT = {}   # (model json, method, method group json) -> abstract params: start-up asks for them several times
+
+
 def abstract(config) -> dict:
-  """ShapeDtypeStructs of the run's params."""
-  if methods.active(config) is None:
+  """ShapeDtypeStructs of the run's params (shared: do not mutate)."""
+  m = methods.active(config)
+  if m is None:
     return models.abstract_params(config.model)
-  return jax.eval_shape(lambda: init(config, jax.random.key(0)))
+  key = (config.model.to_json(), m.NAME, config[m.NAME].to_json())
+  if key not in _ABSTRACT:
+    if len(_ABSTRACT) >= 16:
+      _ABSTRACT.pop(next(iter(_ABSTRACT)))
+    _ABSTRACT[key] = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+  return _ABSTRACT[key]
 
 
 def _storage_axes(abstract_tree, specs):
