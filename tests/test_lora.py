@@ -168,7 +168,7 @@ def test_init_merge_unmerge_and_config_errors():
   bound = 1 / np.sqrt(32)   # PEFT: kaiming_uniform_(a=sqrt(5)) on (r, in) = U(-1/sqrt(in), 1/sqrt(in))
   assert np.abs(q["a"]).max() <= bound and np.std(q["a"]) == pytest.approx(bound / np.sqrt(3), rel=0.15)
   params = random_params(looped)
-  merged = jax.jit(lambda p: lora.merge(p, p[lora.KEY], lora.scale(looped)))(params)
+  merged = jax.jit(lambda p: params_lib.merged(looped, p))(params)
   base = params_lib.base(looped, params)
   assert "lora" not in merged and jax.tree.structure(merged) == jax.tree.structure(base)
   adapter = params[lora.KEY]["layers_0"]["attention"]["query"]   # W + s·A·B, the rest untouched
@@ -224,7 +224,7 @@ def test_decoding_with_adapters_equals_peft_generate(tmp_path):
   with pytest.raises(ValueError, match="params hold LoRA adapters"):
     decoding.generate(config.model, params, prompts, max_new_tokens=6)
   ours = decoding.generate(config.model, params_lib.materialize(config, params), prompts, max_new_tokens=6)
-  merged = jax.device_get(lora.merge(params, params[lora.KEY], lora.scale(config)))
+  merged = jax.device_get(params_lib.merged(config, params))
   assert decoding.generate(config.model, merged, prompts, max_new_tokens=6) == ours
   export.save_hf(config.model, params_lib.base(config, params), str(tmp_path / "base"))
   params_lib.save_adapter(config, params, str(tmp_path / "adapter"))

@@ -150,11 +150,6 @@ def _apply(params: dict, adapters: dict, s: float) -> dict:
   return out
 
 
-def merge(params: dict, adapters: dict, s: float) -> dict:
-  """Plain params (no 'lora' key) with each adapted kernel W + s·A·B; `adapters` is params['lora'], s = scale()."""
-  return _apply({k: v for k, v in params.items() if k != KEY}, adapters, s)
-
-
 def fold(config, plain: dict, adapters: dict) -> dict:
   """Plain params with the adapters merged into their kernels."""
   return _apply(plain, adapters, scale(config))
