@@ -114,8 +114,8 @@ def saved_tensors(config, name: str, params: dict) -> dict:
   """{HF name: tensor} of the params config.<name>.modules_to_save trains (PEFT saves them under their names)."""
   names, trained = table(config.model), {}
   plain = {k: v for k, v in params.items() if k != name}
-  mask = _flat_mask(targets.saved_mask(config, name, plain))
-  for path, value in _flat_params(plain).items():
+  mask = _paths(targets.saved_mask(config, name, plain))
+  for path, value in _paths(plain).items():
     if mask.get(path):
       for looped, array in _looped_names(path, value):
         if looped in names:
@@ -129,19 +129,12 @@ def _escape(module: str) -> str:
   return "^" + re.escape(module) + "$"
 
 
-def _flat_params(params: dict) -> dict:
-  return {"/".join(k): v for k, v in _flat_leaves(params).items()}
-
-
-def _flat_leaves(tree, prefix=()) -> dict:
+def _paths(tree: dict, prefix: str = "") -> dict:
+  """{'/'-joined path: leaf} of a nested dict (params, or a mask over them)."""
   out = {}
   for k, v in tree.items():
-    out.update(_flat_leaves(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v})
+    out.update(_paths(v, f"{prefix}{k}/") if isinstance(v, dict) else {prefix + k: v})
   return out
-
-
-def _flat_mask(mask: dict) -> dict:
-  return {"/".join(k): v for k, v in _flat_leaves(mask).items()}
 
 
 def _looped_names(path: str, value) -> list[tuple[str, np.ndarray]]:
