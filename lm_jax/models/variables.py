@@ -9,9 +9,14 @@ from lm_jax.models import layers, nf4
 
 _ADAPTER = contextvars.ContextVar("lm_jax_adapter", default=None)
 ADAPTERS = layers.ADAPTERS   # the variable collection of adapters, mirroring the paths of their Dense modules
-# The top-level params keys adapters live under, one per PEFT method (lm_jax/peft/*.py KEY), with the method's
-# name: params holding one are refused outside `adapter`, where the model would ignore them.
-ADAPTER_KEYS = {"lora": "LoRA", "ia3": "IA³"}
+# The top-level params keys adapters live under, one per PEFT method, with the method's name: params holding one are
+# refused outside `adapter`, where the model would ignore them. lm_jax/peft/methods.py registers its methods here,
+# so a new method is one entry there and models/ never imports peft/.
+ADAPTER_KEYS: dict[str, str] = {}
+
+
+def register_adapter(key: str, title: str) -> None:
+  ADAPTER_KEYS[key] = title
 
 
 @contextlib.contextmanager

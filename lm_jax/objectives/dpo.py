@@ -110,19 +110,18 @@ def pair_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, weights,
               margin=total(margin), chosen_reward=total(chosen), rejected_reward=total(rejected))
 
 
-def split_reference(params: dict) -> tuple[dict, dict]:
+def split_reference(config, params: dict) -> tuple[dict, dict]:
   """(policy params, reference params): a model.frozen_reference tree's two parts, or with adapters the params
   and their base."""
-  key = params_lib.adapter_key(params)
-  if key:
-    return params, {k: v for k, v in params.items() if k != key}
+  if params_lib.method(config):
+    return params, params_lib.without_adapters(config, params)
   return {k: v for k, v in params.items() if k != models.REFERENCE}, params[models.REFERENCE]
 
 
 def loss(config, params, batch, den, *, rng=None, train=False):
   n, _, length = batch["input_ids"].shape
   flat = {k: batch[k].reshape(2 * n, length) for k in ("input_ids", "targets", "weights", "attention_mask")}
-  policy, reference = split_reference(params)
+  policy, reference = split_reference(config, params)
   pi = sequence_logps(config.model, policy, flat, rng=rng, train=train).reshape(n, 2)
   ref = jax.lax.stop_gradient(sequence_logps(config.model, reference, flat)).reshape(n, 2)
   sums = pair_loss(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], batch["pair_weights"], config.rlhf.dpo_beta)

@@ -24,6 +24,7 @@ from lm_jax.models import layers
 from lm_jax.peft import peft_format, targets
 
 NAME = KEY = "ia3"       # the config group, and the vectors' top-level key in the params tree
+TITLE = "IA³"
 
 
 def enabled(config) -> bool:
@@ -63,7 +64,7 @@ def _vectors(config) -> dict:
   for run_path, group in targets.groups(config, config.ia3).items():
     shape, spec = shapes[group[0]].shape, tuple(specs[group[0]])
     n = targets.n_in(spec)
-    lead, lead_spec = ((len(group),), ("layers",)) if "layers" in run_path else ((), ())
+    lead, lead_spec = targets.lead(run_path, group)
     ff = _feedforward(config, group[0])
     dims, dims_spec = (shape[:n], spec[:n]) if ff else (shape[n:], spec[n:])
     out[run_path] = ("l_in" if ff else "l_out", lead + dims, P(*lead_spec, *dims_spec))
@@ -71,8 +72,7 @@ def _vectors(config) -> dict:
 
 
 def adapted(config) -> list[tuple[str, ...]]:
-  """Run-layout paths of the adapted Dense modules."""
-  return [p[:-1] for p in _vectors(config)]
+  return targets.adapted(config, config.ia3)
 
 
 def _tree(config, leaf) -> dict:

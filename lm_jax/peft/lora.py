@@ -14,16 +14,19 @@ Init as PEFT: A Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)
 starts equal to the base. Each looped layer draws from its own key, so scanned and looped runs start identical.
 """
 import math
+import os
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from lm_jax.models import layers, nf4
 from lm_jax.peft import peft_format, targets
 
 NAME = KEY = "lora"      # the config group, and the adapters' top-level key in the params tree
+TITLE = "LoRA"
 
 
 def enabled(config) -> bool:
@@ -67,15 +70,14 @@ def _shapes(config) -> dict:
   for run_path, group in targets.groups(config, config.lora).items():
     shape, spec = shapes[group[0]].shape, tuple(specs[group[0]])
     n = targets.n_in(spec)
-    lead, lead_spec = ((len(group),), ("layers",)) if "layers" in run_path else ((), ())
+    lead, lead_spec = targets.lead(run_path, group)
     out[run_path] = ((lead + shape[:n] + (r,), P(*lead_spec, *spec[:n], None)),
                      (lead + (r,) + shape[n:], P(*lead_spec, None, *spec[n:])))
   return out
 
 
 def adapted(config) -> list[tuple[str, ...]]:
-  """Run-layout paths of the adapted Dense modules."""
-  return [p[:-1] for p in _shapes(config)]
+  return targets.adapted(config, config.lora)
 
 
 def _tree(config, leaf) -> dict:
@@ -150,11 +152,6 @@ def _apply(params: dict, adapters: dict, s: float) -> dict:
   return out
 
 
-def merge(params: dict, adapters: dict, s: float) -> dict:
-  """Plain params (no 'lora' key) with each adapted kernel W + s·A·B; `adapters` is params['lora'], s = scale()."""
-  return _apply({k: v for k, v in params.items() if k != KEY}, adapters, s)
-
-
 def fold(config, plain: dict, adapters: dict) -> dict:
   """Plain params with the adapters merged into their kernels."""
   return _apply(plain, adapters, scale(config))
@@ -176,11 +173,155 @@ def hook(config, *, train: bool):
 
 
 # ----------------------------------------------------------------------------------------------------- the format
-def save(config, params: dict, directory: str):
-  """The adapters and modules_to_save of the run's host params, in the PEFT format."""
-  peft_format.save_lora(config, params, directory, scale(config))
+def save(config, params: dict, out_dir: str):
+  """The adapters and modules_to_save of the run's host params, in the PEFT format.
+
+  Keys are base_model.model.<HF module>.lora_A.weight (r, in) and .lora_B.weight (out, r), the module names those of
+  the family's HF table (lm_jax/hf/*.py `table`). The scale is PEFT's: lora_alpha / r (use_rslora: / sqrt(r)), per
+  module through rank_pattern / alpha_pattern. OpenAIGPT fuses query, key and value into one Conv1D, c_attn
+  (fan_in_fan_out): k adapted parts of rank r become one c_attn adapter of rank k·r, A the k A's side by side and B
+  block-diagonal (zero rows for a part not adapted), with rank_pattern / alpha_pattern keeping the scale; any subset
+  of query / key / value maps exactly."""
+  m, c, s = config.model, config.lora, scale(config)
+  names = peft_format.table(m)
+  adapters = {"/".join(k) + "/kernel": v for k, v in _flat(layers.relayout(params[KEY], scan=False)).items()}
+  tensors, modules, qkv = {}, set(), {}
+  for path, node in adapters.items():
+    name, _ = names[path]
+    a = np.asarray(node["a"], np.float32).reshape(-1, c.rank)
+    b = np.asarray(node["b"], np.float32).reshape(c.rank, -1)
+    if peft_format.fused(name):
+      module, part = peft_format.fused(name)
+      qkv.setdefault(module, {})[part] = (a, b)
+      continue
+    module = name.removesuffix(".weight")
+    modules.add(module)
+    tensors[f"{peft_format.PREFIX}{module}.lora_A.weight"] = a.T
+    tensors[f"{peft_format.PREFIX}{module}.lora_B.weight"] = b.T
+  rank_pattern, alpha_pattern = {}, {}
+  for module, parts in qkv.items():
+    order = sorted(parts)
+    width = parts[order[0]][1].shape[1]
+    k = len(order)
+    b = np.zeros((3 * width, k * c.rank), np.float32)
+    for j, part in enumerate(order):
+      b[part * width:(part + 1) * width, j * c.rank:(j + 1) * c.rank] = parts[part][1].T
+    modules.add(module)
+    tensors[f"{peft_format.PREFIX}{module}.lora_A.weight"] = np.concatenate([parts[p][0].T for p in order])
+    tensors[f"{peft_format.PREFIX}{module}.lora_B.weight"] = b
+    if k > 1:   # keep PEFT's scale alpha' / r' (or / sqrt(r')) at s with r' = k r
+      rank_pattern[_escape(module)] = k * c.rank
+      alpha_pattern[_escape(module)] = s * (math.sqrt(k * c.rank) if c.rslora else k * c.rank)
+  trained = peft_format.saved_tensors(config, NAME, params)
+  tensors |= {peft_format.PREFIX + name: t for name, t in trained.items()}
+  adapter_config = {
+      "peft_type": "LORA", "task_type": None, "base_model_name_or_path": None, "inference_mode": True,
+      "r": c.rank, "lora_alpha": c.alpha, "lora_dropout": c.dropout, "use_rslora": bool(c.rslora),
+      "target_modules": sorted(modules), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+      "modules_to_save": sorted({n.rsplit(".", 1)[0] for n in trained}) or None,
+      "fan_in_fan_out": peft_format.fan_in_fan_out(m), "bias": "none", "init_lora_weights": True, "use_dora": False}
+  peft_format.write(out_dir, adapter_config, tensors)
 
 
-def load(config, directory: str) -> dict:
-  """{'lora': adapters, modules_to_save params} in the run's layout from a PEFT LoRA directory."""
-  return peft_format.load_lora(config, directory, scale(config))
+def load(config, path: str) -> dict:
+  """{'lora': adapters, modules_to_save params} in the run's layout from the PEFT directory `path`. The adapters
+  must be those config.lora.targets / rank describe: a missing, extra or misshapen one is a one-line error naming
+  the tensor. PEFT's per-module scale is folded into B, so the run's scale s gives the same W + s·A·B. A c_attn
+  adapter splits back: a rank-k·r block-diagonal one into its blocks, a rank-r one (PEFT-trained) into parts sharing
+  A."""
+  fields, m, r, s = peft_format.read_config(path, "LORA"), config.model, config.lora.rank, scale(config)
+  file = os.path.join(path, peft_format.WEIGHTS_FILE)
+  tensors, names = peft_format.read_tensors(path, m), peft_format.table(m)
+  by_module = {}
+  for looped, (name, _) in names.items():
+    if looped.endswith("/kernel"):
+      module, part = peft_format.fused(name) or (name.removesuffix(".weight"), None)
+      by_module.setdefault(module, []).append((looped, part))
+  wanted = set(targets.kernels(config, config.lora))
+  adapters, used = {}, set()
+  for module, members in by_module.items():
+    a_name, b_name = f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+    if a_name not in tensors:
+      continue
+    used |= {a_name, b_name}
+    if b_name not in tensors:
+      raise ValueError(f"{file}: {peft_format.PREFIX}{b_name} is missing")
+    a, b = tensors[a_name], tensors[b_name]
+    rank = a.shape[0]
+    b = b * (_peft_scale(fields, module, rank) / s)
+    if members[0][1] is None:
+      adapters[members[0][0]] = (a.T, b.T)
+    else:
+      adapters |= _split_fused(file, module, members, a, b, wanted, r)
+  unused = sorted(set(k for k in tensors if ".lora_" in k) - used)
+  if unused:
+    raise ValueError(f"{file}: {peft_format.PREFIX}{unused[0]} names no module of this {m.family} model")
+  for looped in sorted(wanted | set(adapters)):
+    name = names[looped][0]
+    if looped not in adapters:
+      raise ValueError(f"{file}: no adapter for {name} (config.lora.targets matches {looped})")
+    if looped not in wanted:
+      raise ValueError(f"{file}: adapter of {name} ({looped}) is not in config.lora.targets="
+                       f"{tuple(config.lora.targets)}")
+  shapes, specs = targets.looped_params(config)
+  out = {}
+  for looped, (a, b) in adapters.items():
+    kernel, n = shapes[looped].shape, targets.n_in(specs[looped])
+    if a.shape != (math.prod(kernel[:n]), r) or b.shape != (r, math.prod(kernel[n:])):
+      module = names[looped][0].removesuffix(".weight")
+      raise ValueError(f"{file}: the adapter of {module} has A {a.shape[::-1]}, B {b.shape[::-1]}; config.lora.rank="
+                       f"{r} and the model need A {(r, math.prod(kernel[:n]))}, B {(math.prod(kernel[n:]), r)}")
+    targets.put(out, tuple(looped.split("/")[:-1]), {"a": a.reshape(*kernel[:n], r), "b": b.reshape(r, *kernel[n:])})
+  return layers.relayout({KEY: out, **peft_format.saved_params(config, NAME, tensors)}, m.scan_layers)
+
+
+def _flat(tree, prefix=()) -> dict:
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, prefix + (k,)) if isinstance(v, dict) and set(v) != {"a", "b"} else {prefix + (k,): v})
+  return out
+
+
+def _escape(module: str) -> str:
+  """A rank_pattern key matching exactly this module (PEFT matches keys as regexes on the module name)."""
+  return "^" + re.escape(module) + "$"
+
+
+def _peft_scale(fields: dict, module: str, rank: int) -> float:
+  """PEFT's scale of `module`: alpha (alpha_pattern's first matching key, else lora_alpha) / rank (or sqrt)."""
+  alpha = fields.get("lora_alpha", 8)
+  for key, value in (fields.get("alpha_pattern") or {}).items():
+    if re.match(rf"(.*\.)?({key})$", module):
+      alpha = value
+      break
+  return alpha / math.sqrt(rank) if fields.get("use_rslora") else alpha / rank
+
+
+def _split_fused(file, module, members, a, b, wanted, r) -> dict:
+  """Per-part adapters {looped kernel path: (A (in, r), B (r, out))} of a fused c_attn adapter A (R, in), B (3d, R)."""
+  parts = sorted((part, looped) for looped, part in members)
+  targeted = [(part, looped) for part, looped in parts if looped in wanted]
+  width, rank = b.shape[0] // 3, a.shape[0]
+  rows = lambda part: slice(part * width, (part + 1) * width)
+  out = {}
+  if rank == len(targeted) * r:   # block-diagonal, as save() writes it
+    for j, (part, looped) in enumerate(targeted):
+      cols = slice(j * r, (j + 1) * r)
+      out[looped] = (a[cols].T, b[rows(part), cols].T)
+    expected = np.zeros_like(b)
+    for j, (part, _) in enumerate(targeted):
+      expected[rows(part), j * r:(j + 1) * r] = b[rows(part), j * r:(j + 1) * r]
+  elif rank == r:                 # PEFT-trained: the parts share A
+    for part, looped in targeted:
+      out[looped] = (a.T, b[rows(part)].T)
+    expected = b.copy()
+    for part, _ in parts:
+      if all(part != p for p, _ in targeted):
+        expected[rows(part)] = 0
+  else:
+    raise ValueError(f"{file}: {peft_format.PREFIX}{module}.lora_A.weight has rank {rank}; with config.lora.rank={r} "
+                     f"and {len(targeted)} of query/key/value targeted it must be {r} or {len(targeted) * r}")
+  if not np.array_equal(expected, b):
+    raise ValueError(f"{file}: {peft_format.PREFIX}{module}.lora_B.weight changes a part of query/key/value that "
+                     "config.lora.targets does not adapt (or is not block-diagonal over them)")
+  return out

@@ -1,6 +1,7 @@
 """The adapter methods lm_jax.params runs, by config group. Each module implements the same functions:
 
-  NAME, KEY                  its config group and its params key (models.variables.ADAPTER_KEYS)
+  NAME, KEY, TITLE           its config group, its params key and its name in messages (registered with
+                             models.variables.register_adapter below)
   enabled(config), check(config)
   init(config, rng), logical_axes(config)     the adapters tree (without KEY) and its logical specs
   adapted(config)            run-layout paths of the Dense modules it adapts
@@ -10,9 +11,12 @@
   save(config, params, dir), load(config, dir)   the PEFT format
 and trains its adapters plus config.<NAME>.modules_to_save. Adding a method is its module and one entry here.
 """
+from lm_jax.models import variables
 from lm_jax.peft import ia3, lora
 
 METHODS = {m.NAME: m for m in (lora, ia3)}
+for _m in METHODS.values():
+  variables.register_adapter(_m.KEY, _m.TITLE)
 
 
 def active(config):

@@ -57,6 +57,16 @@ def groups(config, group) -> dict:
   return out
 
 
+def adapted(config, group) -> list[tuple[str, ...]]:
+  """Run-layout paths of the Dense modules whose kernels group.targets matches."""
+  return [p[:-1] for p in groups(config, group)]
+
+
+def lead(run_path, members) -> tuple[tuple, tuple]:
+  """(shape, logical spec) of the leading layer axis of a scanned stack's adapters: ((n,), ('layers',)) or ((), ())."""
+  return ((len(members),), ("layers",)) if "layers" in run_path else ((), ())
+
+
 def put(tree: dict, path, value):
   for k in path[:-1]:
     tree = tree.setdefault(k, {})
