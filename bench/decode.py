@@ -1,19 +1,27 @@
-"""Decoding throughput: lm_jax.decoding.generate against Hugging Face transformers' generate on the same
-weights, prompts and lengths (greedy and beam search), new tokens per second and the ratio.
+"""Decoding speed: lm_jax.decoding.generate per token step against the memory / matmul floor and against Hugging
+Face transformers' generate with its KV cache, on the same weights, prompts and lengths.
 
-  python bench/decode.py                              # GPT-1 and T5-small, batch 8, prompt 32, 64 new tokens
-  python bench/decode.py --quick                      # tiny variants, 8 new tokens: smoke test
-  python bench/decode.py --models t5 --methods beam --num_beams 4
+  python bench/decode.py                                  # GPT-1, GPT-2 small, T5-small; batch 1, 8, 32; 3 methods
+  python bench/decode.py --quick                          # tiny variants, 8 new tokens: smoke test
+  python bench/decode.py --models t5 --batches 8 --methods beam --sides ours
 
-A first subprocess draws random weights for the config (configs/*.py) and writes them with
-lm_jax.hf.export.save_hf, with random prompts of --prompt_len tokens (equal lengths, so transformers'
-OpenAIGPT, which takes no position ids in generate, needs no padding). Then every measurement runs in its own
-subprocess, ours and transformers' back to back, each after lm_jax.malloc.keep_freed_memory() as in
-bench/train_step.py: ours loads the directory with lm_jax.hf.export.load_hf and times decoding.generate (the
-first call, which compiles, apart); transformers loads it with from_pretrained and times model.generate after
-one short warm-up call. No EOS on either side, so every row gets exactly --new_tokens tokens; both sides'
-tokens are compared (float32 on both sides: expected to match). Tokens/s counts the returned new tokens
-(batch x new tokens), not the beams.
+A first subprocess per model draws random weights for the config (configs/*.py) and writes them with
+lm_jax.hf.export.save_hf, with random prompts of --prompt_len tokens. Another measures this machine: memory
+bandwidth (best of 10 jitted passes over a 256 MB float32 array, read + write) and the matmul rate
+(lm_jax.hardware.matmul_flops_per_s). Then per model each side runs in its own subprocess after
+lm_jax.malloc.keep_freed_memory(), every batch size and method in turn: **ours** loads the directory with
+lm_jax.hf.export.load_hf and times decoding.generate, **hf** loads it with from_pretrained and times its generate
+(use_cache: GPT-2 and T5 keep a KV cache; transformers' OpenAIGPT has none, so GPT-1 has no hf side). Both time
+max_new_tokens=1 (the prompt's prefill and the first token) and --new_tokens, each after an untimed call (ours:
+the compile), and a token step is their difference / (new_tokens - 1). No EOS on either side, so every row gets all
+its tokens; greedy and beam tokens are compared (float32: expected to match); sampling draws from each side's RNG.
+
+The floor of a token step is max(bytes / bandwidth, FLOPs / matmul rate): bytes are the weights a step reads (all
+but the position table, and for T5 the encoder, the relative-position table and the cross-attention key/value
+kernels, whose products are cached) plus the filled part of the KV cache (self-attention at the mean filled length,
+T5's cross-attention keys/values); FLOPs are 2 x rows x those matrices' parameters plus the attention's
+4 x rows x layers x heads x head_dim x filled length. Rows are batch x beams. Also printed: XLA's cost analysis of
+one of our decode steps (bytes accessed, a full cache).
 """
 import argparse
 import json
@@ -30,58 +38,116 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-MODELS = {"gpt1": ("gpt1", "gpt1", "tiny"), "t5": ("t5", "small", "tiny")}   # name: (config file, variant, --quick)
+# name: (config file, variant, --quick variant, whether transformers' class has a KV cache)
+MODELS = {"gpt1": ("gpt1", "gpt1", "tiny", False), "gpt2": ("gpt2", "small", "tiny", True),
+          "t5": ("t5", "small", "tiny", True)}
+METHODS = ("greedy", "sample", "beam")
 
 
 def load_model_config(args):
   from lm_jax import config_lib
-  file, variant, quick = MODELS[args.model]
+  file, variant, quick, _ = MODELS[args.model]
   config = config_lib.load(os.path.join(REPO, "configs", f"{file}.py:{quick if args.quick else variant}"))
   config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
   return config.model
 
 
 def worker_export(args):
-  """Random weights and prompts into args.dir (config.json + model.safetensors, prompts.json)."""
+  """Random weights and prompts (the largest batch; smaller batches take the first rows) into args.dir."""
   import jax
   from lm_jax import models
   from lm_jax.hf import export
   m = load_model_config(args)
   export.save_hf(m, models.init(m, jax.random.key(0)), args.dir)
-  prompts = np.random.default_rng(0).integers(5, m.vocab_size - 100, (args.batch, args.prompt_len))
+  rows = max(map(int, args.batches.split(",")))
+  prompts = np.random.default_rng(0).integers(5, m.vocab_size - 100, (rows, args.prompt_len))
   with open(os.path.join(args.dir, "prompts.json"), "w") as f:
     json.dump(prompts.tolist(), f)
   return {}
 
 
-def _prompts(args):
+def worker_machine(args):
+  """Memory bandwidth (read + write of a 256 MB array, best of 10) and the float32 matmul rate."""
+  import jax
+  import jax.numpy as jnp
+  from lm_jax import hardware
+  x = jnp.ones((64 * 2**20,), jnp.float32)
+  double = jax.jit(lambda a: a * 2)
+  double(x).block_until_ready()
+  best = min(_seconds(lambda: double(x).block_until_ready()) for _ in range(10))
+  return {"bandwidth": 2 * x.nbytes / best, "matmul": hardware.matmul_flops_per_s()}
+
+
+def _seconds(run):
+  t0 = time.perf_counter()
+  run()
+  return time.perf_counter() - t0
+
+
+def _prompts(args, batch):
   with open(os.path.join(args.dir, "prompts.json")) as f:
-    return json.load(f)
+    return json.load(f)[:batch]
 
 
-def _timed(run, repeats):
-  """run() `repeats` times -> (median seconds, all seconds, CPU-seconds per wall-second, the last result)."""
-  times, util, out = [], [], None
+def _step_time(run, new_tokens, repeats):
+  """run(n) -> tokens. Times n=1 and n=new_tokens alternately, each after an untimed call -> (ms per token step,
+  prefill + first token seconds, CPU-seconds per wall-second, the new_tokens call's tokens)."""
+  run(1)
+  tokens = run(new_tokens)
+  one, full, util = [], [], []
   for _ in range(repeats):
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    out = run()
+    one.append(_seconds(lambda: run(1)))
+    full.append(_seconds(lambda: run(new_tokens)))
     r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    times.append(t1 - t0)
     util.append((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / (t1 - t0))
-  return statistics.median(times), times, statistics.median(util), out
+  step = (statistics.median(full) - statistics.median(one)) / (new_tokens - 1)
+  return 1e3 * step, statistics.median(one), statistics.median(util), tokens
+
+
+def _cases(args):
+  return [(int(b), m) for b in args.batches.split(",") for m in args.methods.split(",")]
 
 
 def worker_ours(args):
   from lm_jax import decoding
   from lm_jax.hf import export
   m, params = export.load_hf(args.dir, dtype=args.dtype)
-  prompts = _prompts(args)
-  kw = dict(max_new_tokens=args.new_tokens, method=args.method, num_beams=args.num_beams, pad_id=0)
-  t0 = time.perf_counter()
-  decoding.generate(m, params, prompts, **kw)
-  first = time.perf_counter() - t0
-  median, times, util, tokens = _timed(lambda: decoding.generate(m, params, prompts, **kw), args.repeats)
-  return {"median_s": median, "times": times, "first_s": first, "util": util, "tokens": tokens}
+  out = {"xla_bytes": {}, "cases": {}}
+  for batch, method in _cases(args):
+    prompts = _prompts(args, batch)
+    kw = dict(method=method, num_beams=args.num_beams, pad_id=0, seed=0)
+    t0 = time.perf_counter()
+    decoding.generate(m, params, prompts, max_new_tokens=args.new_tokens, **kw)
+    compile_s = time.perf_counter() - t0
+    step_ms, first_s, util, tokens = _step_time(
+        lambda n: decoding.generate(m, params, prompts, max_new_tokens=n, **kw), args.new_tokens, args.repeats)
+    out["cases"][f"{batch},{method}"] = dict(step_ms=step_ms, first_s=first_s, util=util, tokens=tokens,
+                                             compile_s=compile_s - first_s - step_ms * (args.new_tokens - 1) / 1e3)
+    rows = batch * (args.num_beams if method == "beam" else 1)
+    if rows not in out["xla_bytes"]:
+      out["xla_bytes"][rows] = xla_step_bytes(m, params, rows, args)
+    print(f"  ours {args.model} {method} batch {batch}: {step_ms:.1f} ms/step", file=sys.stderr, flush=True)
+  return out
+
+
+def xla_step_bytes(m, params, rows, args) -> float:
+  """XLA's bytes accessed by one decode step (one token per row, the cache generate allocates, donated)."""
+  import jax
+  import jax.numpy as jnp
+  from lm_jax import models
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  if models.family(m).layout == "decoder":
+    batch = {"input_ids": shape(rows, args.prompt_len)}
+    length = args.prompt_len + args.new_tokens - 1
+    step = lambda p, c, t: models.decode_step(m, p, t, c, positions=0 * t)
+  else:
+    batch = {"input_ids": shape(rows, args.prompt_len), "attention_mask": shape(rows, args.prompt_len)}
+    length = args.new_tokens
+    step = lambda p, c, t: models.decode_step(m, p, t, c)
+  cache = jax.eval_shape(lambda p, b: models.init_cache(m, p, b, length), params, batch)
+  cost = jax.jit(step, donate_argnums=1).lower(params, cache, shape(rows, 1)).compile().cost_analysis()
+  return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
 
 
 def worker_hf(args):
@@ -93,106 +159,148 @@ def worker_hf(args):
   model = cls.from_pretrained(args.dir, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype])
   model.eval()
   model.generation_config.eos_token_id = None   # as ours: no EOS, every row runs to the end
-  prompts = torch.tensor(_prompts(args))
-  mask = torch.ones_like(prompts)
-  kw = dict(do_sample=False, num_beams=1, pad_token_id=0)
-  if args.method == "beam":
-    kw.update(num_beams=args.num_beams, early_stopping=True, length_penalty=1.0)
+  out = {"cases": {}, "attn": getattr(model.config, "_attn_implementation", "?")}
+  for batch, method in _cases(args):
+    prompts = torch.tensor(_prompts(args, batch))
+    kw = dict(do_sample=method == "sample", num_beams=1, pad_token_id=0, use_cache=True, top_k=0, top_p=1.0,
+              temperature=1.0)
+    if method == "beam":
+      kw.update(num_beams=args.num_beams, early_stopping=True, length_penalty=1.0)
 
-  def run(new_tokens=args.new_tokens):
-    with torch.no_grad():
-      out = model.generate(prompts, attention_mask=mask, max_new_tokens=new_tokens, **kw)
-    return out[:, -new_tokens:].tolist()
-  run(2)   # warm-up
-  median, times, util, tokens = _timed(run, args.repeats)
-  return {"median_s": median, "times": times, "first_s": 0.0, "util": util, "tokens": tokens,
-          "attn": getattr(model.config, "_attn_implementation", "?")}
+    def run(n):
+      torch.manual_seed(0)
+      with torch.no_grad():
+        generated = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, **kw)
+      return generated[:, -n:].tolist()
+    step_ms, first_s, util, tokens = _step_time(run, args.new_tokens, args.repeats)
+    out["cases"][f"{batch},{method}"] = dict(step_ms=step_ms, first_s=first_s, util=util, tokens=tokens)
+    print(f"  hf {args.model} {method} batch {batch}: {step_ms:.1f} ms/step", file=sys.stderr, flush=True)
+  return out
+
+
+def step_costs(m, rows: int, args) -> tuple[float, float]:
+  """(bytes, FLOPs) of one ideal token step for `rows` rows (see the module docstring)."""
+  import jax
+  from lm_jax import models
+  from lm_jax.models import layers, t5
+  params = models.abstract_params(m)
+  itemsize = np.dtype(args.dtype).itemsize
+  weights = matmul = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    keys = [getattr(k, "key", str(k)) for k in path]
+    name = "/".join(keys)
+    gathered = "position_embeddings" in name or "relative_bias" in name or (
+        keys[0] == "shared" and not m.get("tie_embeddings", True))
+    if keys[0] == "encoder" or ("cross_attention" in name and ("/key/" in name or "/value/" in name)):
+      continue   # not read by a step
+    size = int(np.prod(leaf.shape))
+    weights += size * (1 if gathered else itemsize)
+    if not gathered and keys[-1] in ("kernel", "embedding"):
+      matmul += size
+  decoder = models.family(m).layout == "decoder"
+  n_layers = m.num_layers if decoder else t5.num_decoder_layers(m)
+  filled = (args.prompt_len if decoder else 0) + args.new_tokens / 2   # mean self-attention length over the steps
+  cross = 0 if decoder else args.prompt_len
+  width = m.num_heads * layers.head_dim(m)
+  kv = 2 * rows * n_layers * width * (filled + cross)
+  return weights * itemsize + kv * itemsize, 2 * rows * matmul + 2 * kv
 
 
 def worker_main(args):
-  load = os.getloadavg()[0]
+  load = os.getloadavg()
   from lm_jax import malloc
   malloc.keep_freed_memory()   # before JAX or PyTorch start, as the trainer's CLI does
-  result = {"export": worker_export, "ours": worker_ours, "hf": worker_hf}[args.worker](args)
+  result = {"export": worker_export, "machine": worker_machine, "ours": worker_ours, "hf": worker_hf}[args.worker](args)
   result.update(load=load, peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
   print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_worker(args, worker, model, method, directory):
-  argv = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--model", model, "--method", method,
-          "--dir", directory, "--batch", str(args.batch), "--prompt_len", str(args.prompt_len),
+def run_worker(args, worker, model, directory):
+  argv = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--model", model, "--dir", directory,
+          "--batches", args.batches, "--methods", args.methods, "--prompt_len", str(args.prompt_len),
           "--new_tokens", str(args.new_tokens), "--num_beams", str(args.num_beams), "--repeats", str(args.repeats),
           "--dtype", args.dtype] + ["--quick"] * args.quick
-  proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+  proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
   for line in proc.stdout.splitlines():
     if line.startswith("RESULT "):
       return json.loads(line[7:])
-  tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-  print(f"[{worker} {model} {method}] failed (exit {proc.returncode}):\n{tail}", file=sys.stderr, flush=True)
+  print(f"[{worker} {model}] failed (exit {proc.returncode})", file=sys.stderr, flush=True)
   return None
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
-  p.add_argument("--methods", default="greedy,beam", help="comma list of greedy, beam")
-  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+  p.add_argument("--batches", default="1,8,32", help="comma list of batch sizes")
+  p.add_argument("--sides", default="ours,hf", help="comma list of ours, hf")
   p.add_argument("--prompt_len", type=int, default=32)
   p.add_argument("--new_tokens", type=int, default=64)
   p.add_argument("--num_beams", type=int, default=4)
-  p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median reported)")
+  p.add_argument("--repeats", type=int, default=3, help="timed pairs of calls per measurement (medians)")
   p.add_argument("--dtype", default="float32", help="weights and compute dtype of both sides")
   p.add_argument("--quick", action="store_true", help="tiny variants, 8 new tokens: smoke test")
   p.add_argument("--json", default="", help="also write all results to this file")
-  p.add_argument("--timeout", type=int, default=3600, help="seconds per measurement subprocess")
+  p.add_argument("--timeout", type=int, default=7200, help="seconds per subprocess")
   p.add_argument("--worker", help=argparse.SUPPRESS)
   p.add_argument("--model", help=argparse.SUPPRESS)
-  p.add_argument("--method", help=argparse.SUPPRESS)
   p.add_argument("--dir", help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.quick and "--new_tokens" not in sys.argv:
     args.new_tokens = 8
   if args.worker:
     return worker_main(args)
-  models, methods = args.models.split(","), args.methods.split(",")
-  for name in models + methods:
-    if name not in MODELS and name not in ("greedy", "beam"):
-      raise ValueError(f"unknown model or method {name!r}; models: {', '.join(MODELS)}; methods: greedy, beam")
-  print(f"load average at start {os.getloadavg()[0]:.2f}; batch {args.batch}, prompt {args.prompt_len}, "
-        f"{args.new_tokens} new tokens, {args.num_beams} beams, {args.dtype}, median of {args.repeats}", flush=True)
-  rows, dump = [], []
+  models, sides = args.models.split(","), args.sides.split(",")
+  for name in models + args.methods.split(",") + sides:
+    if name not in MODELS and name not in METHODS and name not in ("ours", "hf"):
+      raise ValueError(f"unknown model, method or side {name!r}; models: {', '.join(MODELS)}; methods: "
+                       f"{', '.join(METHODS)}; sides: ours, hf")
+  print(f"load average at start {os.getloadavg()}; prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+        f"{args.num_beams} beams, {args.dtype}, median of {args.repeats}", flush=True)
+  machine = run_worker(args, "machine", models[0], "")
+  print(f"bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s, matmul {machine['matmul'] / 1e9:.1f} GFLOP/s", flush=True)
+  rows, dump = [], {"machine": machine, "models": {}}
   for model in models:
     with tempfile.TemporaryDirectory() as directory:
-      if run_worker(args, "export", model, "greedy", directory) is None:
+      if run_worker(args, "export", model, directory) is None:
         continue
-      for method in methods:
-        res = {w: run_worker(args, w, model, method, directory) for w in ("ours", "hf")}
-        rows.append((model, method, res))
-        dump.append({"model": model, "method": method, **res})
-        print("  " + line(model, method, res, args), flush=True)
-  print(f"\n{'model':6s} {'method':6s} {'ours tok/s':>10s} {'hf tok/s':>9s} {'ours/hf':>7s} {'compile s':>9s} "
-        f"{'same tokens':>11s} {'cpu':>9s} {'load':>4s}")
-  for model, method, res in rows:
-    print(line(model, method, res, args))
-  print("tok/s = batch x new tokens / median generate seconds; compile s = ours' first call minus a timed one; "
-        "cpu = CPU-seconds per wall-second (ours, hf)")
+      res = {side: run_worker(args, side, model, directory) for side in sides if side == "ours" or MODELS[model][3]}
+    dump["models"][model] = res
+    args.model = model
+    m = load_model_config(args)
+    for batch, method in _cases(args):
+      rows.append(line(model, m, batch, method, res, machine, args))
+      print(rows[-1], flush=True)
+  print(f"\n{HEADER}\n" + "\n".join(rows))
+  print("ms = per token step; floor = max(GB / bandwidth, GFLOP / matmul rate); at = floor / ours; "
+        "hf/ours = transformers' ms / ours; xla GB = XLA's bytes accessed by one of our steps; "
+        "cpu = ours' CPU-seconds per wall-second; load = 1-minute load average when ours started")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dump, f, indent=1)
 
 
-def line(model, method, res, args) -> str:
-  """One table row; '-' where a side failed."""
-  ours, hf = res.get("ours"), res.get("hf")
+HEADER = (f"{'model':5s} {'method':6s} {'batch':>5s} {'ours ms':>8s} {'hf ms':>7s} {'floor ms':>8s} {'GB':>6s} "
+          f"{'GFLOP':>6s} {'at':>5s} {'hf/ours':>7s} {'same':>4s} {'xla GB':>6s} {'compile':>7s} {'cpu':>4s} "
+          f"{'load':>4s}")
+
+
+def line(model, m, batch, method, res, machine, args) -> str:
+  """One table row; '-' where a side failed or has no peer."""
   fmt = lambda x, spec: "-" if x is None else format(x, spec)
-  rate = lambda r: r and args.batch * args.new_tokens / r["median_s"]
-  ratio = ours and hf and rate(ours) / rate(hf)
-  compile_s = ours and ours["first_s"] - ours["median_s"]
-  same = "-" if not (ours and hf) else "yes" if ours["tokens"] == hf["tokens"] else "NO"
-  util = f"{fmt(ours and ours['util'], '4.2f')},{fmt(hf and hf['util'], '4.2f')}"
-  load = max((r["load"] for r in (ours, hf) if r), default=None)
-  return (f"{model:6s} {method:6s} {fmt(rate(ours), '10.1f')} {fmt(rate(hf), '9.1f')} {fmt(ratio, '6.2f')}x "
-          f"{fmt(compile_s, '9.1f')} {same:>11s} {util:>9s} {fmt(load, '4.1f')}")
+  ours, hf = ((res.get(s) or {}).get("cases", {}).get(f"{batch},{method}") for s in ("ours", "hf"))
+  rows = batch * (args.num_beams if method == "beam" else 1)
+  nbytes, flop = step_costs(m, rows, args)
+  floor = 1e3 * max(nbytes / machine["bandwidth"], flop / machine["matmul"])
+  same = "-" if not (ours and hf) or method == "sample" else "yes" if ours["tokens"] == hf["tokens"] else "NO"
+  xla = (res.get("ours") or {}).get("xla_bytes", {}).get(str(rows))
+  at = ours and floor / ours["step_ms"]
+  speedup = ours and hf and hf["step_ms"] / ours["step_ms"]
+  load = res.get("ours") and res["ours"]["load"][0]
+  return (f"{model:5s} {method:6s} {batch:5d} {fmt(ours and ours['step_ms'], '8.1f')} "
+          f"{fmt(hf and hf['step_ms'], '7.1f')} {floor:8.1f} {nbytes / 1e9:6.3f} {flop / 1e9:6.2f} "
+          f"{fmt(at and 100 * at, '4.0f')}% {fmt(speedup, '6.2f'):>6s}x {same:>4s} {fmt(xla and xla / 1e9, '6.3f')} "
+          f"{fmt(ours and ours['compile_s'], '7.1f')} {fmt(ours and ours['util'], '4.2f')} {fmt(load, '4.1f')}")
 
 
 if __name__ == "__main__":

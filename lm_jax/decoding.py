@@ -31,7 +31,6 @@ from lm_jax.models import layers
 
 METHODS = ("greedy", "sample", "beam")
 _NEG = -1.0e9                            # transformers' score for excluded beams and hypotheses
-_LAYERED = ("k", "v", "cross_k", "cross_v")   # cache leaves with the rows on axis 1 (axis 0 is the layer)
 
 
 def _bucket(n: int) -> int:
@@ -83,14 +82,18 @@ def _feed(cfg, params, tokens, state):
   return logits[:, -1], {"cache": cache}
 
 
-def _take_rows(state, rows, names=None):
-  """The decoder state of rows `rows` (names: only these cache entries; the rest are kept as they are)."""
-  def take(name, x):
-    if x.ndim == 0 or (names is not None and name not in names):
-      return x
-    return jnp.take(x, rows, axis=1 if name in _LAYERED else 0)
-  return {"cache": {name: take(name, x) for name, x in state["cache"].items()},
-          **{name: take(name, x) for name, x in state.items() if name != "cache"}}
+def _take_rows(state, rows):
+  """The decoder state (every array has the rows on axis 0) of rows `rows`."""
+  return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows, axis=0), state)
+
+
+def _reorder_beams(state, rows):
+  """Beam search's per-step reordering: only the self-attention keys/values differ between the beams of a row
+  and change as they decode (the filled-slot mask, positions and the encoder's keys/values are the row's), so only
+  they are gathered, one copy of each layer's buffers."""
+  caches = tuple({**c, "k": jnp.take(c["k"], rows, axis=0), "v": jnp.take(c["v"], rows, axis=0)}
+                 for c in state["cache"]["layers"])
+  return {**state, "cache": {**state["cache"], "layers": caches}}
 
 
 # ----------------------------------------------------------------------------------------- greedy, sampling
@@ -181,7 +184,7 @@ def _beam_search(cfg, opts, knobs, params, ids, mask):
 
   def body(carry):
     c, state = carry
-    state = _take_rows(state, (jnp.arange(b)[:, None] * k + c["parent"]).reshape(-1), names=("k", "v"))
+    state = _reorder_beams(state, (jnp.arange(b)[:, None] * k + c["parent"]).reshape(-1))
     logits, state = _feed(cfg, params, c["running"][:, :, c["t"] - 1].reshape(-1), state)
     return select(c, logits), state
 
@@ -221,6 +224,7 @@ class _Knobs(NamedTuple):   # traced: a change does not recompile
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _generate(cfg, opts, params, ids, mask, key, knobs):
+  cfg, params = layers.unscanned(cfg, params)   # once, not per step
   if opts.beam:
     tokens = _beam_search(cfg, opts, knobs, params, ids, mask)
   else:

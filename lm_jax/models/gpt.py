@@ -40,7 +40,7 @@ class Model(nn.Module):
                                   cfg=cfg, deterministic=not train, kernel_init=init)(x, layer_cache, mask, index)
     out = outputs(cfg, x, embed)
     if cache is not None:
-      out["cache"] = {**layer_cache, "mask": key_mask, "index": index + batch["input_ids"].shape[1]}
+      out["cache"] = {"layers": layer_cache, "mask": key_mask, "index": index + batch["input_ids"].shape[1]}
     return out
 
 
@@ -69,7 +69,7 @@ def outputs(cfg, x, embed) -> dict:
 
 
 def causal_inputs(batch: dict, cache: dict | None):
-  """A causal decoder's view of a batch (see Model): (positions, attention mask, the layers' {'k', 'v'} cache or None,
+  """A causal decoder's view of a batch (see Model): (positions, attention mask, the layers' caches or None,
   write index or None, the cache's filled-slot mask after this step or None)."""
   ids, key_mask = batch["input_ids"], batch.get("attention_mask")
   length = ids.shape[1]
@@ -84,7 +84,7 @@ def causal_inputs(batch: dict, cache: dict | None):
   q_index = index + jnp.arange(length)[None]
   mask = layers.make_attention_mask(key_mask, causal=True, q_index=q_index,
                                     kv_index=jnp.arange(key_mask.shape[1])[None])
-  return batch.get("positions", q_index), mask, {"k": cache["k"], "v": cache["v"]}, index, key_mask
+  return batch.get("positions", q_index), mask, cache["layers"], index, key_mask
 
 
 def check_config(cfg) -> None:
@@ -107,28 +107,31 @@ def forward_flops(cfg, lengths) -> float:
 
 def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
   """Empty cache for batch['input_ids'].shape[0] rows (params unused: the signature is shared with T5):
-  k/v (layers, B, max_length, heads, head_dim) in model.dtype, mask (B, max_length) of filled slots,
-  index = next slot."""
+  'layers', per layer {'k', 'v'} (B, heads, max_length, head_dim) in model.dtype (layers.cache_layout), mask
+  (B, max_length) of filled slots, index = next slot."""
   del params
   if max_length > cfg.max_positions:
     raise ValueError(f"cache max_length {max_length} exceeds model.max_positions {cfg.max_positions}")
   batch_size = batch["input_ids"].shape[0]
-  shape = (cfg.num_layers, batch_size, max_length, cfg.num_heads, layers.head_dim(cfg))
-  zeros = jnp.zeros(shape, layers.dtype(cfg.dtype))
-  return {"k": zeros, "v": zeros, "mask": jnp.zeros((batch_size, max_length), bool), "index": jnp.zeros((), jnp.int32)}
+  shape = (batch_size, cfg.num_heads, max_length, layers.head_dim(cfg))
+  zeros = lambda: jnp.zeros(shape, layers.dtype(cfg.dtype))
+  return {"layers": tuple({"k": zeros(), "v": zeros()} for _ in range(cfg.num_layers)),
+          "mask": jnp.zeros((batch_size, max_length), bool), "index": jnp.zeros((), jnp.int32)}
 
 
 def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict, attention_mask: jax.Array | None = None,
                 positions: jax.Array | None = None, *, model: type[nn.Module] = Model) -> tuple[jax.Array, dict]:
   """Appends input_ids (B,T) at cache['index'] -> (logits (B,T,V), cache). attention_mask marks padding
   among the new tokens; positions default to index + arange(T). The first call can feed the prompt. `model`: a
-  Model of the same inputs and cache (GPT-2's)."""
+  Model of the same inputs and cache (GPT-2's). Scanned params are split into layers (layers.unscanned) here:
+  a decoding loop splits them once before it."""
   batch = {"input_ids": input_ids}
   if attention_mask is not None:
     batch["attention_mask"] = attention_mask
   if positions is not None:
     batch["positions"] = positions
-  out = model(layers.frozen(cfg)).apply({"params": params}, batch, cache=cache)
+  cfg, params = layers.unscanned(cfg, params)
+  out = model(cfg).apply({"params": params}, batch, cache=cache)
   return out["logits"], out["cache"]
 
 

@@ -34,7 +34,7 @@ class Model(nn.Module):
     x = layers.LayerNorm(cfg.layer_norm_eps, name="final_ln", **layers.dtypes(cfg))(x)
     out = gpt.outputs(cfg, x, embed)
     if cache is not None:
-      out["cache"] = {**layer_cache, "mask": key_mask, "index": index + batch["input_ids"].shape[1]}
+      out["cache"] = {"layers": layer_cache, "mask": key_mask, "index": index + batch["input_ids"].shape[1]}
     return out
 
 

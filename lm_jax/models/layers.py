@@ -304,31 +304,64 @@ class Attention(nn.Module):
                cache_index: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
     """x (B,T,D) queries; context (B,S,D) keys/values (None = self-attention).
 
-    cache {'k','v'} (B,S_max,H,Dh): the new k/v are written at cache_index and the attention runs
-    over all S_max slots, so mask/bias must be (.., T, S_max). Returns (y (B,T,D), updated cache).
+    cache {'k','v'} (B,H,S_max,Dh) (decoding, see cached_attention): the new k/v are written at cache_index
+    (None: the cache is read only, e.g. the encoder's keys/values for cross-attention, and context is unused)
+    and the attention runs over all S_max slots, so mask/bias must be (.., T, S_max). Returns (y (B,T,D), the
+    updated cache).
     """
     context = x if context is None else context
     dense = functools.partial(Dense, (self.num_heads, self.head_dim), ("embed", "heads", "kv"),
                               use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-    q = dense(kernel_init=self.query_init or self.kernel_init, name="query")(x)
-    k = dense(kernel_init=self.kernel_init, name="key")(context)
-    v = dense(kernel_init=self.kernel_init, name="value")(context)
-    q, k, v = (constrain(t, ("batch", "length", "heads", "kv")) for t in (q, k, v))
+    q = constrain(dense(kernel_init=self.query_init or self.kernel_init, name="query")(x),
+                  ("batch", "length", "heads", "kv"))
+    scale = None if self.scale_logits else 1.0
     if cache is not None:
-      start = (0, cache_index, 0, 0)
-      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start)
-      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)
-      cache = {"k": k, "v": v}
-      k, v = k.astype(self.dtype), v.astype(self.dtype)
-    dropout_rng = None
-    if not self.deterministic and self.dropout_rate > 0.0:
-      dropout_rng = self.make_rng("dropout")
-    y = dot_product_attention(q, k, v, mask=mask, bias=bias, scale=None if self.scale_logits else 1.0,
-                              dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
+      if cache_index is not None:
+        new = {name: dense(kernel_init=self.kernel_init, name=proj)(context) for name, proj in (("k", "key"),
+                                                                                                 ("v", "value"))}
+        cache = write_cache(cache, new, cache_index)
+      y = cached_attention(q, cache["k"], cache["v"], mask=mask, bias=bias, scale=scale)
+    else:
+      k = dense(kernel_init=self.kernel_init, name="key")(context)
+      v = dense(kernel_init=self.kernel_init, name="value")(context)
+      k, v = (constrain(t, ("batch", "length", "heads", "kv")) for t in (k, v))
+      dropout_rng = None
+      if not self.deterministic and self.dropout_rate > 0.0:
+        dropout_rng = self.make_rng("dropout")
+      y = dot_product_attention(q, k, v, mask=mask, bias=bias, scale=scale, dropout_rate=self.dropout_rate,
+                                dropout_rng=dropout_rng)
     y = constrain(y, ("batch", "length", "heads", "kv"))
     out = Dense((x.shape[-1],), ("heads", "kv", "embed"), use_bias=self.use_bias, dtype=self.dtype,
                 param_dtype=self.param_dtype, kernel_init=self.out_init or self.kernel_init, name="out")(y)
     return constrain(out, ("batch", "length", "embed")), cache
+
+
+def cache_layout(k: jax.Array) -> jax.Array:
+  """Keys or values (B,S,H,Dh) -> the cache's layout (B,H,S,Dh): batch and head lead, so the decoding dots read
+  the cache as it lies, with no transpose of the whole cache per step."""
+  return constrain(jnp.swapaxes(k, 1, 2), ("batch", "heads", "length", "kv"))
+
+
+def write_cache(cache: dict, new: dict, index: jax.Array) -> dict:
+  """cache {'k','v'} (B,H,S_max,Dh) with new {'k','v'} (B,T,H,Dh) written at slot `index`. The update is in
+  place when the cache is a loop carry (or a donated argument)."""
+  return {name: jax.lax.dynamic_update_slice(cache[name], cache_layout(new[name]).astype(cache[name].dtype),
+                                             (0, 0, index, 0)) for name in ("k", "v")}
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
+                     bias: jax.Array | None = None, scale: float | None = None) -> jax.Array:
+  """softmax(scale q k^T + bias, masked) v for q (B,T,H,Dh) and a cache's k/v (B,H,S,Dh): the decoding form of
+  dot_product_attention (same float32 logits and softmax, so the same numbers), whose dots contract the cache
+  in its own layout."""
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  logits = jnp.einsum("bthd,bhsd->bhts", q, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
+  if mask is not None:
+    logits = jnp.where(mask, logits, -0.7 * jnp.finfo(jnp.float32).max)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return jnp.einsum("bhts,bhsd->bthd", probs.astype(v.dtype), v).astype(q.dtype)
 
 
 class MLP(nn.Module):
@@ -408,9 +441,11 @@ def stack(block: type[nn.Module], num_layers: int, *, scan: bool, remat: str = "
           **block_attrs) -> Callable[..., tuple[jax.Array, Any]]:
   """`num_layers` copies of `block`, created in the calling module's compact method.
 
-  The block is called as block(x, cache, *shared) -> (x, cache): `cache` is that layer's slice of a
-  pytree stacked on a leading layer axis (or None), `shared` (masks, biases, encoder output, cache
-  index) is the same for every layer. Returns f(x, cache, *shared) -> (x, stacked new cache).
+  The block is called as block(x, cache, *shared) -> (x, cache): `cache` is that layer's own cache (or None),
+  `shared` (masks, biases, encoder output, cache index) is the same for every layer. Returns f(x, cache, *shared)
+  -> (x, new cache), the cache a tuple with one entry per layer: each layer's buffers stay apart, so a decoding
+  loop updates them in place and never slices or restacks a cache of all layers (looped layers only; decoding
+  unstacks scanned params first, see unscanned).
   scan=True: nn.scan, params (and the ADAPTERS and QUANTISED collections) under `name` with a leading 'layers'
   axis (compile time independent of depth); False: a python loop over `name_0` ... Remat policy per REMAT_POLICIES.
   """
@@ -420,6 +455,8 @@ def stack(block: type[nn.Module], num_layers: int, *, scan: bool, remat: str = "
     block = nn.remat(block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
   if scan:
     def scanned(x, cache, *shared):
+      if cache is not None:
+        raise ValueError("a KV cache needs looped layers: decode with layers.unscanned(cfg, params)")
       layer = nn.scan(block, variable_axes={"params": 0, ADAPTERS: 0, QUANTISED: 0},
                       split_rngs={"params": True, "dropout": True}, in_axes=(0,) + (nn.broadcast,) * len(shared),
                       length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
@@ -429,10 +466,9 @@ def stack(block: type[nn.Module], num_layers: int, *, scan: bool, remat: str = "
   def looped(x, cache, *shared):
     new = []
     for i in range(num_layers):
-      layer_cache = None if cache is None else jax.tree.map(lambda a: a[i], cache)
-      x, layer_cache = block(name=f"{name}_{i}", **block_attrs)(x, layer_cache, *shared)
+      x, layer_cache = block(name=f"{name}_{i}", **block_attrs)(x, None if cache is None else cache[i], *shared)
       new.append(layer_cache)
-    return x, None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
+    return x, None if cache is None else tuple(new)
   return looped
 
 
@@ -448,6 +484,24 @@ def put_layers(layers: Sequence[dict], scan: bool, name: str = "layers") -> dict
   if scan:
     return {name: jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *layers)}
   return {f"{name}_{i}": layer for i, layer in enumerate(layers)}
+
+
+def unscanned(cfg, params: dict) -> tuple[ml_collections.FrozenConfigDict, dict]:
+  """(cfg, params) with scanned layer stacks split into looped layers, traceable: what decoding runs, each
+  layer's weights and cache its own buffers. Split once outside a decoding loop; a no-op for looped params."""
+  cfg = frozen(cfg)
+  if not cfg.scan_layers:
+    return cfg, params
+
+  def split(tree):
+    if not isinstance(tree, dict):
+      return tree
+    rest = {k: split(v) for k, v in tree.items() if k != "layers"}
+    if "layers" not in tree:
+      return rest
+    n = jax.tree.leaves(tree["layers"])[0].shape[0]
+    return {**rest, **put_layers(get_layers(tree, n), scan=False)}
+  return frozen(replace(cfg, scan_layers=False)), split(params)
 
 
 def relayout(tree, scan: bool):

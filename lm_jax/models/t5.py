@@ -80,8 +80,8 @@ class RelativeBias(nn.Module):
 class Block(nn.Module):
   """One T5 layer: pre-norm self-attention, [pre-norm cross-attention], pre-norm FFN, each + residual.
 
-  cache (decoding): this layer's self-attention 'k'/'v' and the encoder's 'cross_k'/'cross_v'; returns the
-  updated self-attention part.
+  cache (decoding): this layer's self-attention 'k'/'v' and the encoder's 'cross_k'/'cross_v' (read only); returns
+  it with the self-attention part updated.
   """
   cfg: ml_collections.FrozenConfigDict
   decoder: bool
@@ -108,16 +108,14 @@ class Block(nn.Module):
       y = norm("cross_attention_norm")(x)
       if cache is None:
         y, _ = attention("cross_attention")(y, encoded, mask=cross_mask)
-      else:  # decoding: the encoder's keys/values are in the cache; an empty context adds none
-        empty = jnp.zeros((x.shape[0], 0, x.shape[-1]), x.dtype)
-        y, _ = attention("cross_attention")(y, empty, mask=cross_mask, cache_index=0,
-                                            cache={"k": cache["cross_k"], "v": cache["cross_v"]})
+      else:  # decoding: the encoder's keys/values are in the cache
+        y, _ = attention("cross_attention")(y, mask=cross_mask, cache={"k": cache["cross_k"], "v": cache["cross_v"]})
       x = x + drop(y)
     y = layers.MLP(cfg.d_ff, cfg.activation, gated=cfg.gated_ffn, use_bias=False, dropout_rate=cfg.dropout_rate,
                    deterministic=self.deterministic, kernel_init=nn.initializers.normal(d ** -0.5),
                    out_init=nn.initializers.normal(cfg.d_ff ** -0.5), name="mlp", **kw)(norm("mlp_norm")(x))
     x = layers.constrain(x + drop(y), ("batch", "length", "embed"))
-    return x, self_cache
+    return x, None if cache is None else {**cache, **self_cache}
 
 
 class Stack(nn.Module):
@@ -139,9 +137,6 @@ class Stack(nn.Module):
     x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, use_mean=False, name="final_norm",
                          **layers.dtypes(cfg))(x)
     return layers.constrain(drop(x), ("batch", "length", "embed")), cache
-
-
-_LAYER_CACHE = ("k", "v", "cross_k", "cross_v")   # per decoder layer, stacked on a leading layer axis
 
 
 class Model(nn.Module):
@@ -170,7 +165,7 @@ class Model(nn.Module):
 
   def decode(self, decoder_input_ids, decoder_attention_mask, encoded, attention_mask, *, cache=None,
              train: bool = False):
-    """-> (logits, hidden, new self-attention {'k','v'}). With a cache (see init_cache) the queries sit at
+    """-> (logits, hidden, the layers' new caches). With a cache (see init_cache) the queries sit at
     index + arange(T), the keys are all cache slots, decoder_attention_mask (B, slots) marks the filled ones
     and the cross-attention uses the cached encoder keys/values (`encoded` is unused)."""
     t = decoder_input_ids.shape[1]
@@ -179,8 +174,8 @@ class Model(nn.Module):
       index, kv, q_pos = None, None, jnp.arange(t)
       kv_pos = q_pos
     else:
-      index, kv, q_pos = cache["index"], {k: cache[k] for k in _LAYER_CACHE}, cache["index"] + jnp.arange(t)
-      kv_pos = jnp.arange(cache["k"].shape[2])
+      index, kv, q_pos = cache["index"], cache["layers"], cache["index"] + jnp.arange(t)
+      kv_pos = jnp.arange(cache["mask"].shape[1])
     mask = layers.make_attention_mask(decoder_attention_mask, causal=True, q_index=q_pos[None],
                                       kv_index=kv_pos[None])
     cross_mask = layers.make_attention_mask(attention_mask)
@@ -208,31 +203,34 @@ def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
   """Runs the encoder on batch['input_ids'/'attention_mask'] once and projects its keys/values for every
   decoder layer's cross-attention; the decoder self-attention cache starts empty.
 
-  k/v (decoder layers, B, max_length, heads, head_dim) and cross_k/cross_v (decoder layers, B, L, heads,
-  head_dim) in model.dtype, mask (B, max_length) of filled slots, index = next slot, encoder_mask (B, L).
+  'layers': per decoder layer k/v (B, heads, max_length, head_dim) and cross_k/cross_v (B, heads, L, head_dim)
+  in model.dtype (layers.cache_layout), mask (B, max_length) of filled slots, index = next slot, encoder_mask
+  (B, L).
   """
   cfg = layers.frozen(cfg)
   enc_mask = batch.get("attention_mask", jnp.ones(batch["input_ids"].shape, jnp.int32))
   encoded = Model(cfg).apply({"params": params}, batch["input_ids"], enc_mask, method=Model.encode)
   dt, n, b = layers.dtype(cfg.dtype), num_decoder_layers(cfg), encoded.shape[0]
-  kernels = [p["cross_attention"] for p in layers.get_layers(params["decoder"], n)]
-  project = lambda w: jnp.stack([jnp.einsum("bsd,dhk->bshk", encoded, p[w]["kernel"].astype(dt)) for p in kernels])
-  zeros = jnp.zeros((n, b, max_length, cfg.num_heads, layers.head_dim(cfg)), dt)
-  return {"k": zeros, "v": zeros, "cross_k": project("key"), "cross_v": project("value"),
-          "mask": jnp.zeros((b, max_length), bool), "index": jnp.zeros((), jnp.int32),
+  project = lambda p: layers.cache_layout(jnp.einsum("bsd,dhk->bshk", encoded, p["kernel"].astype(dt)))
+  zeros = lambda: jnp.zeros((b, cfg.num_heads, max_length, layers.head_dim(cfg)), dt)
+  caches = tuple({"k": zeros(), "v": zeros(), "cross_k": project(p["cross_attention"]["key"]),
+                  "cross_v": project(p["cross_attention"]["value"])} for p in layers.get_layers(params["decoder"], n))
+  return {"layers": caches, "mask": jnp.zeros((b, max_length), bool), "index": jnp.zeros((), jnp.int32),
           "encoder_mask": jnp.asarray(enc_mask)}
 
 
 def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict,
                 attention_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Appends decoder tokens input_ids (B,T) at cache['index'] -> (their logits (B,T,V), updated cache).
-  attention_mask (B,T) marks padding among the new tokens. The first call can feed a whole prefix."""
+  attention_mask (B,T) marks padding among the new tokens. The first call can feed a whole prefix. Scanned params
+  are split into layers (layers.unscanned) here: a decoding loop splits them once before it."""
+  cfg, params = layers.unscanned(cfg, params)
   index = cache["index"]
   new = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
   mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
-  logits, _, kv = Model(layers.frozen(cfg)).apply(
+  logits, _, kv = Model(cfg).apply(
       {"params": params}, input_ids, mask, None, cache["encoder_mask"], cache=cache, method=Model.decode)
-  return logits, dict(cache, **kv, mask=mask, index=index + input_ids.shape[1])
+  return logits, dict(cache, layers=kv, mask=mask, index=index + input_ids.shape[1])
 
 
 
