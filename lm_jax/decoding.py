@@ -96,6 +96,33 @@ def _reorder_beams(state, rows):
   return {**state, "cache": {**state["cache"], "layers": caches}}
 
 
+def _cache_lengths(filled: int, max_new_tokens: int) -> tuple[int, ...]:
+  """The cache's length for each stretch of token steps: the attention reads every slot of the cache, filled or
+  not, so it starts at a bucket above the prompt and doubles (one copy into the longer cache each time) while
+  that saves at least a quarter of the full length's slots; the last is the full length. `filled`: the slots
+  the prompt fills, each token step but the last feeds one more."""
+  full = filled + max_new_tokens - 1
+  lengths, size = [], _bucket(filled + 1)
+  while 4 * size <= 3 * full:
+    lengths.append(size)
+    size *= 2
+  return tuple(lengths) + (full,)
+
+
+def _last_steps(opts) -> list[int]:
+  """Per cache length, the last token step (steps count from 1, see _sample_loop) it has a slot for."""
+  filled = opts.cache_lengths[-1] - opts.max_new_tokens + 1
+  return [length - filled for length in opts.cache_lengths]
+
+
+def _grow(state, length: int):
+  """The decoder state with its self-attention cache padded with empty slots to `length`."""
+  cache = state["cache"]
+  pad = lambda x, axis: jnp.pad(x, [(0, length - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+  caches = tuple({**c, "k": pad(c["k"], 2), "v": pad(c["v"], 2)} for c in cache["layers"])
+  return {**state, "cache": {**cache, "layers": caches, "mask": pad(cache["mask"], 1)}}
+
+
 # ----------------------------------------------------------------------------------------- greedy, sampling
 def _filter_logits(logits, temperature, top_k, top_p):
   """transformers' warpers in their order: logits / temperature; top-k keeps the k largest (and ties with
@@ -113,7 +140,7 @@ def _filter_logits(logits, temperature, top_k, top_p):
 
 def _sample_loop(cfg, opts, knobs, params, ids, mask, key):
   """Greedy or sampled decoding -> tokens (B, max_new_tokens), pad_id after EOS."""
-  logits, state = _start(cfg, params, ids, mask, opts.cache_len)
+  logits, state = _start(cfg, params, ids, mask, opts.cache_lengths[0])
   n = opts.max_new_tokens
 
   def sample(logits, t):
@@ -133,9 +160,13 @@ def _sample_loop(cfg, opts, knobs, params, ids, mask, key):
     token = choose(logits, t, done)
     return t + 1, jax.lax.dynamic_update_index_in_dim(tokens, token, t, 1), done | (token == knobs.eos_id), state
 
-  cond = lambda carry: (carry[0] < n) & ~jnp.all(carry[2])
-  _, tokens, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tokens, first == knobs.eos_id, state))
-  return tokens
+  carry = (jnp.int32(1), tokens, first == knobs.eos_id, state)
+  for j, last in enumerate(_last_steps(opts)):
+    if j:
+      carry = carry[:3] + (_grow(carry[3], opts.cache_lengths[j]),)
+    cond = lambda carry, last=last: (carry[0] < n) & (carry[0] <= last) & ~jnp.all(carry[2])
+    carry = jax.lax.while_loop(cond, body, carry)
+  return carry[1]
 
 
 # -------------------------------------------------------------------------------------------------- beams
@@ -146,7 +177,7 @@ def _gather(x, index):
 
 def _beam_search(cfg, opts, knobs, params, ids, mask):
   """transformers' beam search -> the best finished hypothesis per row (B, max_new_tokens)."""
-  logits, state = _start(cfg, params, ids, mask, opts.cache_len)
+  logits, state = _start(cfg, params, ids, mask, opts.cache_lengths[0])
   b, k, n, v = ids.shape[0], opts.num_beams, opts.max_new_tokens, logits.shape[-1]
   state = _take_rows(state, jnp.repeat(jnp.arange(b), k))   # the prompt is fed once per row, then copied
   penalty = knobs.penalty
@@ -191,8 +222,12 @@ def _beam_search(cfg, opts, knobs, params, ids, mask):
   empty = jnp.full((b, k, n), knobs.pad_id, jnp.int32)
   c = dict(t=jnp.int32(0), running=empty, running_scores=jnp.zeros((b, k)).at[:, 1:].set(_NEG), seqs=empty,
            scores=jnp.full((b, k), _NEG), finished=jnp.zeros((b, k), bool), improvable=jnp.ones((b, 1), bool))
-  c, _ = jax.lax.while_loop(lambda carry: carry[0]["go"], body, (select(c, jnp.repeat(logits, k, axis=0)), state))
-  return c["seqs"][:, 0]
+  carry = (select(c, jnp.repeat(logits, k, axis=0)), state)
+  for j, last in enumerate(_last_steps(opts)):
+    if j:
+      carry = (carry[0], _grow(carry[1], opts.cache_lengths[j]))
+    carry = jax.lax.while_loop(lambda carry, last=last: carry[0]["go"] & (carry[0]["t"] <= last), body, carry)
+  return carry[0]["seqs"][:, 0]
 
 
 # ------------------------------------------------------------------------------------------------ generate
@@ -207,7 +242,7 @@ def _decoder_layout(cfg, what: str) -> str:
 class _Options(NamedTuple):   # static: a change recompiles
   beam: bool
   max_new_tokens: int
-  cache_len: int
+  cache_lengths: tuple      # the cache's length in each stretch of steps (see _cache_lengths)
   num_beams: int
 
 
@@ -268,11 +303,12 @@ def generate(model_cfg, params, prompts_ids, *, max_new_tokens: int, method: str
       raise ValueError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
                        f"model.max_positions={cfg.max_positions} by {longest - room}")
     width = min(_bucket(longest), room)
-    cache_len = width + max_new_tokens - 1
+    filled = width   # slots the prompt fills; a token step then adds one
   else:
-    width, cache_len = _bucket(longest), max_new_tokens
+    width, filled = _bucket(longest), 1   # the decoder's start token
   ids, mask = _pad(prompts, width, pad_id, left=layout == "decoder")
-  opts = _Options(method == "beam", max_new_tokens, cache_len, num_beams if method == "beam" else 1)
+  opts = _Options(method == "beam", max_new_tokens, _cache_lengths(filled, max_new_tokens),
+                  num_beams if method == "beam" else 1)
   # length ** length_penalty in float64, rounded to float32, as transformers computes it
   penalty = (np.arange(1, max_new_tokens + 1, dtype=np.float64) ** length_penalty).astype(np.float32)
   knobs = _Knobs(np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id), np.bool_(method == "sample"),

@@ -8,6 +8,7 @@ in the first bucket), and options that are traced (EOS, sampling knobs, length p
 change between calls without recompiling."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -88,7 +89,7 @@ def hf_generate(hf, family, prompts, eos_id, **kw):
   """transformers' continuations, cut after the first EOS. GPT: one prompt at a time, since transformers'
   OpenAIGPT takes no position ids in generate and would shift a left-padded row's positions; T5: one padded
   batch with its attention mask, as a tokenizer makes it."""
-  kw = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos_id, pad_token_id=0, **kw)
+  kw = {"max_new_tokens": NEW, "do_sample": False, "eos_token_id": eos_id, "pad_token_id": 0, **kw}
   if family == "gpt":
     with torch.no_grad():
       out = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)[0, len(p):]
@@ -135,6 +136,36 @@ def test_t5_matches_transformers(t5):
 
 def test_t5_from_transformers_matches(t5_from_transformers):
   check_against_transformers(*t5_from_transformers, "t5")
+
+
+@pytest.mark.parametrize("family", ["gpt", "t5"])
+def test_longer_generations_grow_the_cache(family, request):
+  """24 new tokens: the token loop starts on a shorter cache and moves to the full one part-way (GPT: 24 then 39
+  slots, T5: 16 then 24), and greedy and beam search still equal transformers' token for token."""
+  m, p, hf = request.getfixturevalue(family)
+  assert decoding._cache_lengths(16 if family == "gpt" else 1, 24) == ((24, 39) if family == "gpt" else (16, 24))
+  for kw in (dict(), dict(num_beams=4, length_penalty=1.0, early_stopping=True)):
+    ours = decoding.generate(m, p, PROMPTS, max_new_tokens=24, method="beam" if kw else "greedy", **kw)
+    assert ours == hf_generate(hf, family, PROMPTS, None, max_new_tokens=24, **kw)
+
+
+def test_decode_step_updates_the_cache_in_place(gpt):
+  """A compiled decode step (cache donated) neither copies nor transposes anything a layer's cache in size:
+  each layer's keys / values are written where they lie and read by the attention's dots in their layout."""
+  m, p, _ = gpt
+  cache = models.init_cache(m, p, {"input_ids": np.zeros((8, 16), np.int32)}, 32)
+  step = jax.jit(lambda p, c, t: models.decode_step(m, p, t, c, positions=t), donate_argnums=1)
+  hlo = step.lower(p, cache, jax.ShapeDtypeStruct((8, 1), np.int32)).compile().as_text()
+  layer_cache = 8 * 32 * 36   # rows x slots x heads * head_dim
+  big = [line for line in hlo.splitlines()
+         if re.search(r"\b(copy|transpose)\(", line) and np.prod(hlo_shape(line)) >= layer_cache]
+  assert not big, big[:3]
+
+
+def hlo_shape(line: str) -> list[int]:
+  """The result dims of an HLO instruction line."""
+  dims = re.search(r"= \w+\[([\d,]*)\]", line)
+  return [int(d) for d in dims.group(1).split(",") if d] if dims else []
 
 
 def test_generate_errors(gpt):
