@@ -144,7 +144,9 @@ def _sample_loop(cfg, opts, knobs, params, ids, mask, key):
   n = opts.max_new_tokens
 
   def sample(logits, t):
-    logits = _filter_logits(logits, knobs.temperature, knobs.top_k, knobs.top_p)
+    filtering = (knobs.top_k > 0) | (knobs.top_p < 1)   # else skip the sort over the vocabulary
+    logits = jax.lax.cond(filtering, lambda x: _filter_logits(x, knobs.temperature, knobs.top_k, knobs.top_p),
+                          lambda x: x / knobs.temperature, logits)
     return jax.random.categorical(jax.random.fold_in(key, t), logits).astype(jnp.int32)
 
   def choose(logits, t, done):

@@ -263,25 +263,32 @@ from lm_jax.hf import export
 config = defaults.base_config()
 config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
 mesh, rules = sharding.make_mesh(config), sharding.RULES
-m, params = export.load_hf({path!r})
-with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-  params = jax.device_put(params, sharding.logical_to_sharding(models.logical_axes(m), mesh, rules))
-  tokens = decoding.generate(m, params, {prompts!r}, max_new_tokens={new}, method="beam")
-print("RESULT" + json.dumps(dict(tokens=tokens, embedding=list(params["shared"]["embedding"].sharding.spec))))
+out = dict()
+for name, path in {paths!r}.items():
+  m, params = export.load_hf(path)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    params = jax.device_put(params, sharding.logical_to_sharding(models.logical_axes(m), mesh, rules))
+    out[name] = dict((method, decoding.generate(m, params, {prompts!r}, max_new_tokens={new}, method=method))
+                     for method in decoding.METHODS)
+  out[name + "_embedding"] = list(params[{embedding!r}[name]]["embedding"].sharding.spec)
+print("RESULT" + json.dumps(out))
 """
 
 
-def test_mesh_matches_single_device(t5):
+def test_mesh_matches_single_device(gpt, t5):
   """With params sharded over a (2, 2, 2) mesh as the trainer shards them (embeddings over (tensor, fsdp)),
-  the rows and beams over data x fsdp, T5's beam search (encoder, cross-attention cache, beam reordering,
-  top-k over the sharded vocabulary) gives the single-device tokens. One program: compiling for 8 devices
-  is slow."""
-  m, p, hf = t5
-  script = MESH_SCRIPT.format(path=hf.name_or_path, prompts=PROMPTS, new=NEW)
-  run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600,
+  the rows and beams over data x fsdp, greedy decoding, sampling and beam search (T5: encoder, cross-attention
+  cache; beam reordering, top-k over the sharded vocabulary) give the single-device tokens. One process: compiling
+  for 8 devices is slow."""
+  paths = {"gpt": gpt[2].name_or_path, "t5": t5[2].name_or_path}
+  embedding = {"gpt": "word_embeddings", "t5": "shared"}
+  script = MESH_SCRIPT.format(paths=paths, prompts=PROMPTS, new=NEW, embedding=embedding)
+  run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
                             "JAX_PLATFORMS": "cpu"})
   assert run.returncode == 0, run.stderr[-3000:]
   out = json.loads(run.stdout.split("RESULT")[-1])
-  assert out["embedding"] == ["tensor", "fsdp"]
-  assert out["tokens"] == decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, method="beam")
+  for name, (m, p, _) in (("gpt", gpt), ("t5", t5)):
+    assert out[name + "_embedding"] == ["tensor", "fsdp"]
+    for method in decoding.METHODS:
+      assert out[name][method] == decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, method=method), (name, method)
