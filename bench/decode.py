@@ -6,9 +6,10 @@ Face transformers' generate with its KV cache, on the same weights, prompts and 
   python bench/decode.py --models t5 --batches 8 --methods beam --sides ours
 
 A first subprocess per model draws random weights for the config (configs/*.py) and writes them with
-lm_jax.hf.export.save_hf, with random prompts of --prompt_len tokens. Another measures this machine: memory
-bandwidth (best of 10 jitted passes over a 256 MB float32 array, read + write) and the matmul rate
-(lm_jax.hardware.matmul_flops_per_s). Then per model each side runs in its own subprocess after
+lm_jax.hf.export.save_hf, with random prompts of --prompt_len tokens. The machine's memory bandwidth (the better of
+a jitted copy and a matrix-vector product over 256 MB, best of 10 each) and matmul rate
+(lm_jax.hardware.matmul_flops_per_s) are measured at the start and again right after each of our timings, whose
+floor uses them (the load of a shared machine changes). Then per model each side runs in its own subprocess after
 lm_jax.malloc.keep_freed_memory(), every batch size and method in turn: **ours** loads the directory with
 lm_jax.hf.export.load_hf and times decoding.generate, **hf** loads it with from_pretrained and times its generate
 (use_cache: GPT-2 and T5 keep a KV cache; transformers' OpenAIGPT has none, so GPT-1 has no hf side). Both time
@@ -67,15 +68,24 @@ def worker_export(args):
 
 
 def worker_machine(args):
-  """Memory bandwidth (read + write of a 256 MB array, best of 10) and the float32 matmul rate."""
+  return measure_machine()
+
+
+def measure_machine() -> dict:
+  """Memory bandwidth, the better of a copy (read + write of a 256 MB array) and a matrix-vector product (a 256 MB
+  matrix streamed through a dot, as a decode step streams its weights), best of 10 each; the float32 matmul rate
+  (measured anew on each call: the machine's load changes)."""
   import jax
   import jax.numpy as jnp
   from lm_jax import hardware
-  x = jnp.ones((64 * 2**20,), jnp.float32)
-  double = jax.jit(lambda a: a * 2)
-  double(x).block_until_ready()
-  best = min(_seconds(lambda: double(x).block_until_ready()) for _ in range(10))
-  return {"bandwidth": 2 * x.nbytes / best, "matmul": hardware.matmul_flops_per_s()}
+  x, v = jnp.ones((2**14, 2**12), jnp.float32), jnp.ones((1, 2**14), jnp.float32)
+  rates = {}
+  for name, fn, operands, nbytes in (("copy", lambda a: a * 2, (x,), 2 * x.nbytes),
+                                     ("gemv", jnp.dot, (v, x), x.nbytes)):
+    fn = jax.jit(fn)
+    fn(*operands).block_until_ready()
+    rates[name] = nbytes / min(_seconds(lambda: fn(*operands).block_until_ready()) for _ in range(10))
+  return {"bandwidth": max(rates.values()), **rates, "matmul": hardware.matmul_flops_per_s.__wrapped__()}
 
 
 def _seconds(run):
@@ -123,7 +133,8 @@ def worker_ours(args):
     step_ms, first_s, util, tokens = _step_time(
         lambda n: decoding.generate(m, params, prompts, max_new_tokens=n, **kw), args.new_tokens, args.repeats)
     out["cases"][f"{batch},{method}"] = dict(step_ms=step_ms, first_s=first_s, util=util, tokens=tokens,
-                                             compile_s=compile_s - first_s - step_ms * (args.new_tokens - 1) / 1e3)
+                                             compile_s=compile_s - first_s - step_ms * (args.new_tokens - 1) / 1e3,
+                                             machine=measure_machine(), load=os.getloadavg())
     rows = batch * (args.num_beams if method == "beam" else 1)
     if rows not in out["xla_bytes"]:
       out["xla_bytes"][rows] = xla_step_bytes(m, params, rows, args)
@@ -193,10 +204,11 @@ def step_costs(m, rows: int, args) -> tuple[float, float]:
         keys[0] == "shared" and not m.get("tie_embeddings", True))
     if keys[0] == "encoder" or ("cross_attention" in name and ("/key/" in name or "/value/" in name)):
       continue   # not read by a step
+    if gathered:
+      continue   # a step reads a row
     size = int(np.prod(leaf.shape))
-    weights += size * (1 if gathered else itemsize)
-    if not gathered and keys[-1] in ("kernel", "embedding"):
-      matmul += size
+    weights += size
+    matmul += size if keys[-1] in ("kernel", "embedding") else 0
   decoder = models.family(m).layout == "decoder"
   n_layers = m.num_layers if decoder else t5.num_decoder_layers(m)
   filled = (args.prompt_len if decoder else 0) + args.new_tokens / 2   # mean self-attention length over the steps
@@ -258,7 +270,8 @@ def main():
   print(f"load average at start {os.getloadavg()}; prompt {args.prompt_len}, {args.new_tokens} new tokens, "
         f"{args.num_beams} beams, {args.dtype}, median of {args.repeats}", flush=True)
   machine = run_worker(args, "machine", models[0], "")
-  print(f"bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s, matmul {machine['matmul'] / 1e9:.1f} GFLOP/s", flush=True)
+  print(f"bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s (copy {machine['copy'] / 1e9:.1f}, matrix-vector "
+        f"{machine['gemv'] / 1e9:.1f}), matmul {machine['matmul'] / 1e9:.1f} GFLOP/s", flush=True)
   rows, dump = [], {"machine": machine, "models": {}}
   for model in models:
     with tempfile.TemporaryDirectory() as directory:
@@ -274,7 +287,8 @@ def main():
   print(f"\n{HEADER}\n" + "\n".join(rows))
   print("ms = per token step; floor = max(GB / bandwidth, GFLOP / matmul rate); at = floor / ours; "
         "hf/ours = transformers' ms / ours; xla GB = XLA's bytes accessed by one of our steps; "
-        "cpu = ours' CPU-seconds per wall-second; load = 1-minute load average when ours started")
+        "cpu = ours' CPU-seconds per wall-second; the floor's rates and the 1-minute load average are measured right "
+        "after ours' timing of that row")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dump, f, indent=1)
@@ -291,12 +305,13 @@ def line(model, m, batch, method, res, machine, args) -> str:
   ours, hf = ((res.get(s) or {}).get("cases", {}).get(f"{batch},{method}") for s in ("ours", "hf"))
   rows = batch * (args.num_beams if method == "beam" else 1)
   nbytes, flop = step_costs(m, rows, args)
+  machine = ours["machine"] if ours else machine   # measured right after this case's timing
   floor = 1e3 * max(nbytes / machine["bandwidth"], flop / machine["matmul"])
   same = "-" if not (ours and hf) or method == "sample" else "yes" if ours["tokens"] == hf["tokens"] else "NO"
   xla = (res.get("ours") or {}).get("xla_bytes", {}).get(str(rows))
   at = ours and floor / ours["step_ms"]
   speedup = ours and hf and hf["step_ms"] / ours["step_ms"]
-  load = res.get("ours") and res["ours"]["load"][0]
+  load = ours and ours["load"][0]
   return (f"{model:5s} {method:6s} {batch:5d} {fmt(ours and ours['step_ms'], '8.1f')} "
           f"{fmt(hf and hf['step_ms'], '7.1f')} {floor:8.1f} {nbytes / 1e9:6.3f} {flop / 1e9:6.2f} "
           f"{fmt(at and 100 * at, '4.0f')}% {fmt(speedup, '6.2f'):>6s}x {same:>4s} {fmt(xla and xla / 1e9, '6.3f')} "

@@ -1,10 +1,16 @@
 """Text generation (greedy, sampling, beam search) on the models' KV cache, and continuation scoring.
 
-`generate` pads the prompts, then one jitted program feeds them in a single decode_step and runs the token
-loop in `lax.while_loop`, stopping as soon as every row is done. What a prompt is depends on the family's layout
-(lm_jax.models.family): a decoder's (GPT) prompts are left-padded with their positions counted from each row's
-first real token, so a row decodes exactly as it would alone; an encoder-decoder's (T5) are the encoder input
-(right-padded, masked) and the decoder starts from model.decoder_start_token_id.
+`generate` pads the prompts, then one jitted program feeds them in a single decode_step (the prefill) and runs the
+token loop in `lax.while_loop`, stopping as soon as every row is done. A token step reads every weight once, so
+its floor is the time to stream the weights and the filled cache from memory (bench/README.md, decode.py): each
+layer's cache is its own loop-carried buffer in the attention's layout, written in place (layers.write_cache);
+scanned params are split into layers once per call; the cache starts a bucket above the prompt and doubles, so
+the attention reads little more than the filled slots; beam search gathers only the self-attention keys / values.
+
+What a prompt is depends on the family's layout (lm_jax.models.family): a decoder's (GPT) prompts are left-padded
+with their positions counted from each row's first real token, so a row decodes exactly as it would alone; an
+encoder-decoder's (T5) are the encoder input (right-padded, masked) and the decoder starts from
+model.decoder_start_token_id.
 Beam search follows transformers' beam search (GenerationMixin._beam_search): 2 * num_beams candidates per
 step, a hypothesis' score is its summed log-probability / (generated length incl. EOS) ** length_penalty,
 early_stopping True / False / "never" as there; its results are token-identical to transformers' `generate`.
