@@ -3,6 +3,7 @@ mode; one run per workdir; nothing is written into init_from; read-only modes ch
 a tokenizer; each mistake ends in one line and the README's exit code (2 flags / config, 1 data / checkpoints /
 files)."""
 import errno
+import importlib.util
 import os
 import re
 import shlex
@@ -254,3 +255,16 @@ def test_docs_template_example_gives_newlines():
   assert len(args) == 1, shlex.join(args)
   config = config_lib.load("configs/rlhf/sft.py", args)
   assert config.rlhf.template == "Human: {prompt}\n\nAssistant:", config.rlhf.template
+
+
+def test_lm_eval_tasks_without_a_data_directory_exit_in_one_line(monkeypatch):
+  """Before: a 52-line traceback from lm-eval's command line around the one-line cause."""
+  pytest.importorskip("lm_eval")
+  spec = importlib.util.spec_from_file_location("lm_jax_data", REPO / "configs" / "lm_eval" / "lm_jax_data.py")
+  tasks = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tasks)
+  monkeypatch.delenv("LM_JAX_DATA", raising=False)
+  with pytest.raises(SystemExit, match=r"^error: no data directory for the lm_jax tasks: pass --metadata="):
+    tasks.sst2()
+  with pytest.raises(SystemExit, match=r"^error: /nowhere/wikitext-2-raw does not exist"):
+    tasks.wikitext2("/nowhere")

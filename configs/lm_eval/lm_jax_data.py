@@ -1,6 +1,9 @@
 """Local datasets for the lm-evaluation-harness tasks in this directory: WikiText-2 (raw) cut into articles, and
 SST-2's tab-separated sentence/label files, read from the data directory given as
-`--metadata='{"data_dir": "..."}'` or, failing that, $LM_JAX_DATA (the layout lm_jax's tests use)."""
+`--metadata='{"data_dir": "..."}'` or, failing that, $LM_JAX_DATA (the layout lm_jax's tests use).
+
+A missing data directory exits with one line `error: ...` (code 1, as lm_jax's commands do): lm-eval's command line
+prints the whole traceback of an exception, ~50 lines around a one-line cause."""
 import os
 import pathlib
 import re
@@ -14,10 +17,11 @@ _ARTICLE = re.compile(r"^ = [^=].* = $", re.MULTILINE)   # a top-level heading "
 def _root(data_dir, name: str) -> pathlib.Path:
   data_dir = data_dir or os.environ.get("LM_JAX_DATA")
   if not data_dir:
-    raise ValueError("no data directory: pass --metadata='{\"data_dir\": \"DIR\"}' or set LM_JAX_DATA")
+    raise SystemExit("error: no data directory for the lm_jax tasks: pass --metadata='{\"data_dir\": \"DIR\"}' or "
+                     "set LM_JAX_DATA")
   path = pathlib.Path(data_dir).expanduser() / name
   if not path.is_dir():
-    raise FileNotFoundError(f"{path} does not exist (data_dir={data_dir})")
+    raise SystemExit(f"error: {path} does not exist (data_dir={data_dir})")
   return path
 
 
