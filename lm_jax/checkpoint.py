@@ -254,8 +254,8 @@ def _check_adapters(saved_config: dict, config, what: str):
     old, new = saved_config.get(group) or {}, now.get(group) or {}
     fields = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if fields:
-      show = lambda fields_: " ".join(f"--config.{group}.{k}={fields_.get(k)!r}" for k in fields)
-      raise ValueError(f"{what} was trained with {show(old)} but the config has {show(new)}: pass the run's "
+      as_flags = lambda values: " ".join(f"--config.{group}.{k}={values.get(k)!r}" for k in fields)
+      raise ValueError(f"{what} was trained with {as_flags(old)} but the config has {as_flags(new)}: pass the run's "
                        f"config (its {group} flags)")
 
 

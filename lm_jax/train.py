@@ -154,6 +154,9 @@ def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = Fals
   or with `merged` the model with the adapters merged in. Atomic (export.writing): a non-empty export_dir is refused
   before anything is read, unless `overwrite` replaces it whole."""
   export.check_target(export_dir, overwrite)
+  if overwrite and os.path.commonpath([os.path.abspath(export_dir), os.path.abspath(workdir)]) == \
+      os.path.abspath(export_dir):
+    raise ValueError(f"--export_dir={export_dir} --overwrite would replace the run's own workdir {workdir}")
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     params = multihost_utils.process_allgather(params, tiled=True)

@@ -58,6 +58,8 @@ def test_export_refuses_a_non_empty_dir_and_overwrite_replaces_it_whole(lora_run
   assert not (out / "adapter").exists()   # the merged weights alone: an old adapter/ would apply twice
   assert {m for p, m in _modes(out).items() if (out / p).is_file()} == files
   assert not _litter(tmp_path, "out")
+  with pytest.raises(ValueError, match="would replace the run's own workdir"):
+    train.export_checkpoint(config, str(workdir), str(workdir.parent), overwrite=True)
 
 
 def test_a_full_disk_mid_export_leaves_nothing(lora_run, tmp_path, monkeypatch):
