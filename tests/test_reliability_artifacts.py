@@ -260,13 +260,16 @@ def test_docs_template_example_gives_newlines():
 
 
 def test_lm_eval_tasks_without_a_data_directory_exit_in_one_line(monkeypatch):
-  """Before: a 52-line traceback from lm-eval's command line around the one-line cause."""
+  """Under lm-eval's command line (before: a 52-line traceback around the cause); in-process a plain exception."""
   pytest.importorskip("lm_eval")
   spec = importlib.util.spec_from_file_location("lm_jax_data", REPO / "configs" / "lm_eval" / "lm_jax_data.py")
   tasks = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(tasks)
   monkeypatch.delenv("LM_JAX_DATA", raising=False)
-  with pytest.raises(SystemExit, match=r"^error: no data directory for the lm_jax tasks: pass --metadata="):
+  with pytest.raises(ValueError, match=r"^no data directory"):
+    tasks.sst2()
+  monkeypatch.setattr(sys, "argv", ["/usr/bin/lm_eval", "--tasks", "lm_jax_sst2"])
+  with pytest.raises(SystemExit, match=r"^error: no data directory: pass --metadata="):
     tasks.sst2()
   with pytest.raises(SystemExit, match=r"^error: /nowhere/wikitext-2-raw does not exist"):
     tasks.wikitext2("/nowhere")
