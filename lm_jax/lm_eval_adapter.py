@@ -15,12 +15,16 @@ each and process 0 writes them. lm-eval (its core, which needs no PyTorch) is a 
 import difflib
 import logging
 
-import lm_eval
-from lm_eval import tasks as lm_eval_tasks, utils as lm_eval_utils
-from lm_eval.api import model as lm_eval_model
-from lm_eval.models import utils as lm_eval_model_utils
+# lm_eval imports Hugging Face datasets, whose import logs 'JAX version ... available' at INFO before it sets its
+# logger's level (WARNING): set it first, so the console of every run stays the training log
+logging.getLogger("datasets").setLevel(logging.WARNING)
 
-from lm_jax import config_lib, decoding, models, objectives, params as params_lib
+import lm_eval  # noqa: E402
+from lm_eval import tasks as lm_eval_tasks, utils as lm_eval_utils  # noqa: E402
+from lm_eval.api import model as lm_eval_model  # noqa: E402
+from lm_eval.models import utils as lm_eval_model_utils  # noqa: E402
+
+from lm_jax import config_lib, decoding, models, objectives, params as params_lib  # noqa: E402
 
 TASKS_DIR = config_lib.REPO / "configs" / "lm_eval"
 PREFIX = "lm_eval/"   # of the metrics in the eval records
@@ -55,13 +59,14 @@ def due(config, step: int) -> bool:
 
 
 def metrics(results: dict) -> dict:
-  """The harness' results {task: {'acc,none': ..., 'acc_stderr,none': ..., 'alias': ...}} -> {'lm_eval/task_acc':
-  ...}: numbers only, no standard errors, the filter named unless it is 'none'."""
+  """The harness' results {task: {'acc,none': ..., 'acc_stderr,none': ..., 'alias': ..., 'sample_len': ...}} ->
+  {'lm_eval/task_acc': ...}: the metrics ('metric,filter' keys) that are numbers, without standard errors, the
+  filter named unless it is 'none'."""
   out = {}
   for task, values in results.items():
     for key, value in values.items():
-      metric, _, filter_name = key.partition(",")
-      if "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+      metric, comma, filter_name = key.partition(",")
+      if not comma or "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
         continue
       out[f"{PREFIX}{task}_{metric}" + (f"_{filter_name}" if filter_name not in ("", "none") else "")] = float(value)
   return out
@@ -88,10 +93,10 @@ class Harness:
 
   def __init__(self, config, tokenizer):
     check(config)
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)   # its INFO lines would bury the training log
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)   # its INFO lines and per-task warnings, at every eval
     self.config, self.tokenizer, self.names = config, tokenizer, list(config.eval.lm_eval_tasks)
     self.manager = _task_manager(self.names)
-    lm_eval_tasks.get_task_dict(self.names, self.manager)
+    self.manager.load(self.names)
 
   def __call__(self, params) -> dict:
     c = self.config
