@@ -28,6 +28,7 @@ from lm_jax import config_lib, decoding, models, objectives, params as params_li
 
 TASKS_DIR = config_lib.REPO / "configs" / "lm_eval"
 PREFIX = "lm_eval/"   # of the metrics in the eval records
+MAX_GEN_TOKS = 256    # generate_until's length when a task names none (HFLM's)
 
 
 def check(config):
@@ -54,8 +55,8 @@ def check(config):
 
 def due(config, step: int) -> bool:
   """Whether the tasks run at the eval of `step`: every eval.lm_eval_every steps (0: every eval) and at the end."""
-  return step % (config.eval.lm_eval_every or config.eval_every) == 0 or step == (config.phase_end_step or
-                                                                                 config.total_steps)
+  end = config.phase_end_step or config.total_steps
+  return step % (config.eval.lm_eval_every or config.eval_every) == 0 or step == end
 
 
 def metrics(results: dict) -> dict:
@@ -96,7 +97,10 @@ class Harness:
     logging.getLogger("lm_eval").setLevel(logging.ERROR)   # its INFO lines and per-task warnings, at every eval
     self.config, self.tokenizer, self.names = config, tokenizer, list(config.eval.lm_eval_tasks)
     self.manager = _task_manager(self.names)
-    self.manager.load(self.names)
+    try:
+      self.manager.load(self.names)
+    except (ValueError, OSError) as e:   # the tasks' data: configs/lm_eval's files, the Hub's datasets
+      raise ValueError(f"config.eval.lm_eval_tasks: cannot load {', '.join(self.names)}: {e}") from e
 
   def __call__(self, params) -> dict:
     c = self.config
@@ -165,7 +169,7 @@ class JaxLM(lm_eval_model.TemplateLM):
     groups = {}   # requests with the same generation options decode together
     for i, request in enumerate(requests):
       context, gen_kwargs = request.args
-      kwargs = lm_eval_model_utils.normalize_gen_kwargs(gen_kwargs, 256)
+      kwargs = lm_eval_model_utils.normalize_gen_kwargs(gen_kwargs, MAX_GEN_TOKS)
       until = lm_eval_model_utils.handle_stop_sequences(kwargs.pop("until", None), eos=eos)
       groups.setdefault(repr(sorted(kwargs.items())), (kwargs, []))[1].append((i, context, until))
     for kwargs, items in groups.values():
@@ -176,7 +180,7 @@ class JaxLM(lm_eval_model.TemplateLM):
         prompts = [self.tok_encode(context)[-room:] or [self.eot_token_id] for _, context, _ in batch]
         prompts += [prompts[0]] * (self.batch_size - len(prompts))   # one shape for every batch
         tokens = decoding.generate(self.model_cfg, self.params, prompts, eos_id=self.eot_token_id,
-                                   pad_id=self.tok.pad_id, **options)
+                                   pad_id=self.model_cfg.pad_token_id, **options)
         for (i, _, until), ids in zip(batch, tokens):
           text = self.tok.decode([t for t in ids if t != self.eot_token_id])
           out[i] = lm_eval_model_utils.postprocess_generated_text(text, until, None)
