@@ -19,17 +19,17 @@ def tfdata_records(builder, split, name):
   return tfds.as_numpy(builder.as_dataset(split=split, shuffle_files=False))
 
 
-def prepare_tfds(name: str, data_dir: str = "", manual_dir: str = ""):
+def prepare_tfds(name: str, data_dir: str = "", manual_dir: str = "", origin: str = "config.data.tfds_name"):
   """The TFDS builder of `name`, downloaded and prepared as array_record first if it is not yet.
 
   Offline, put the files the builder downloads (e.g. tiny_shakespeare's input.txt) in `manual_dir`
-  (default <data_dir>/downloads/manual).
+  (default <data_dir>/downloads/manual). origin names the config field of `name` in errors.
   """
   import tensorflow_datasets as tfds
   try:
     builder = tfds.builder(name, data_dir=data_dir or None)
   except tfds.core.registered.DatasetNotFoundError as e:
-    raise ValueError(f"config.data.tfds_name: unknown TFDS dataset {name!r}") from e
+    raise ValueError(f"{origin}: unknown TFDS dataset {name!r}") from e
   if builder.is_prepared():
     return builder
   config = tfds.download.DownloadConfig(manual_dir=manual_dir or None)
