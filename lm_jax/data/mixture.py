@@ -1,7 +1,7 @@
 """Data mixtures: config.data.mixture, several text sources sampled by weight into one training stream, as the papers
 trained (BERT: Wikipedia + BooksCorpus, Devlin et al. 2019 §3.1; T5's mixtures, Raffel et al. 2020 §3.5.2).
 
-A source is a dict: name (in eval records and the data state), files (a glob) or tfds_name, and optionally
+It replaces config.data.tfds_name; setting config.data.files too is an error. A source is a dict: name (in eval records and the data state), files (a glob) or tfds_name, and optionally
 text_field, train_split, eval_split (config.data's when left out) and weight (default 1). Every data shard of the
 pipeline (data/pipeline.py) mixes the same shard of each source: which source row r of shard k's part of global batch
 b comes from is drawn with probability weight / sum(weights) by np.random.default_rng([seed, k, b, _DRAW]), and a
@@ -40,9 +40,9 @@ class Source:
 def sources(config) -> list[Source]:
   """config.data.mixture's sources, checked (one-line ValueError naming the field); [] without a mixture."""
   d = config.data
-  if d.mixture and (d.files or d.tfds_name):
-    raise ValueError("config.data.mixture replaces config.data.files / tfds_name: clear them, or clear the mixture "
-                     "with --config.data.mixture='()'")
+  if d.mixture and d.files:     # a mixture replaces data.tfds_name (a config's default), as data.files does
+    raise ValueError("config.data.mixture and config.data.files are both set: clear one (--config.data.files= or "
+                     "--config.data.mixture='()')")
   out = [_source(i, entry, d) for i, entry in enumerate(d.mixture)]
   names = [s.name for s in out]
   twice = sorted({n for n in names if names.count(n) > 1})
