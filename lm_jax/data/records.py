@@ -390,7 +390,7 @@ def _tfds_record(row: dict, required: tuple, optional: tuple):
 
 
 def _read_tfds(name, data_dir, split, fields, optional, documents, origin, named_by) -> Records:
-  builder = tfds_prepare.prepare_tfds(name, data_dir, origin=origin)
+  builder = tfds_prepare.prepare_tfds(name, data_dir)
   where = f"TFDS {name} in {builder.data_dir}"
   base, spec = split_spec(split)
   if base not in builder.info.splits:

@@ -7,13 +7,15 @@ of a .jsonl / .tsv record or a TFDS feature; a .txt document), or a `records.Bad
 text (counted and skipped by the pipeline, never fatal).
 """
 from lm_jax.data import mixture as mixture_lib
-from lm_jax.data import records
+from lm_jax.data import records, tfds_prepare
 
 
 def documents(config, split: str, source: mixture_lib.Source | None = None) -> records.Records:
   """The documents of `split` (e.g. config.data.train_split) from config.data.files or TFDS, or from `source`."""
   d = config.data
   if source is not None:
+    if source.tfds_name:      # an unknown name is an error naming the source's field, not config.data.tfds_name
+      tfds_prepare.known_builder(source.tfds_name, d.tfds_data_dir, f"{source.field}.tfds_name")
     return records.read(split, source.text_field, files=source.files, tfds_name=source.tfds_name,
                         tfds_data_dir=d.tfds_data_dir, documents=True,
                         origin=f"{source.field}.{'files' if source.files else 'tfds_name'}",
