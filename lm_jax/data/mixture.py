@@ -1,12 +1,14 @@
 """Data mixtures: config.data.mixture, several text sources sampled by weight into one training stream, as the papers
-trained (BERT: Wikipedia + BooksCorpus, Devlin et al. 2019 §3.1; T5's mixtures, Raffel et al. 2020 §3.5.2).
+trained (BERT: Wikipedia + BooksCorpus, Devlin et al. 2019 §3.1; T5's multi-task mixtures, Raffel et al. 2020).
 
-It replaces config.data.tfds_name; setting config.data.files too is an error. A source is a dict: name (in eval records and the data state), files (a glob) or tfds_name, and optionally
-text_field, train_split, eval_split (config.data's when left out) and weight (default 1). Every data shard of the
-pipeline (data/pipeline.py) mixes the same shard of each source: which source row r of shard k's part of global batch
-b comes from is drawn with probability weight / sum(weights) by np.random.default_rng([seed, k, b, _DRAW]), and a
-source's rows come in its own order (its own document shuffle, windows and epochs). The stream is thus a function of
-the config, the seed and the step, whatever the number of hosts, and its position is every source's position.
+A source is a dict: name (in eval records and the data state), files (a glob) or tfds_name, and optionally
+text_field, train_split, eval_split (config.data's when left out) and weight (default 1). A mixture replaces
+config.data.tfds_name; config.data.files beside it is an error. Every data shard of the pipeline (data/pipeline.py)
+mixes the same shard of each source: the source of row r of shard k's part of global batch b is drawn with
+probability weight / sum(weights) by np.random.default_rng([seed, k, b, _DRAW]), and a source's rows come in its own
+order (its own document shuffle, windows and epochs; NSP's random next sentence from the same source). The stream
+is thus a function of the config, the seed and the step, whatever the number of hosts, and its position is every
+source's position.
 
 The fields are checked with the config (config_lib.validate); a glob without files or an unknown TFDS dataset is
 found when the source is first read (the tokenizer's training text), each a one-line error naming the source field.
