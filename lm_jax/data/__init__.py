@@ -1,5 +1,5 @@
 """Data: one record reader (records.py: TFDS, local files; bad records counted and named by file:line) under
-pre-training text (sources), task examples (tasks), instructions / preferences / PPO prompts (instructions);
+pre-training text (sources; several mixed by weight: mixture), task examples (tasks), instructions / preferences / PPO prompts (instructions);
 tokenizers, and the input pipeline that feeds each objective.
 
 tokenizer.load_or_train(config, workdir) -> Tokenizer
