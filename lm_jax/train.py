@@ -62,10 +62,15 @@ def make_evaluator(s: Setup) -> Callable:
   eval_step = step.make_eval_step(s.config, s.objective, s.state_sharding["params"], s.mesh)
   harness = lm_eval_adapter.Harness(s.config, s.tokenizer) if s.config.eval.lm_eval_tasks else None
 
-  def evaluate(params, i=None) -> dict:
-    record = predict.eval_record(s.objective, predict.eval_outputs(eval_step, params, batches, s.mesh),
-                                 it.text_per_token)
-    return {**record, **harness(params)} if harness and (i is None or lm_eval_adapter.due(s.config, i)) else record
+  def evaluate(params, i=None):
+    outputs = predict.eval_outputs(eval_step, params, batches, s.mesh)
+    record = predict.eval_record(s.objective, outputs, it.text_per_token)
+    for name, (part, per_token) in it.sources.items():   # a data mixture: each source's metrics too
+      own = predict.eval_record(s.objective, outputs[part], per_token)
+      record.update({f"eval_{name}_{k.removeprefix('eval_')}": v for k, v in own.items()})
+    if harness and (i is None or lm_eval_adapter.due(s.config, i)):
+      record.update(harness(params))
+    return record
   return evaluate
 
 
