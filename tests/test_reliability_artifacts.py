@@ -273,3 +273,10 @@ def test_lm_eval_tasks_without_a_data_directory_exit_in_one_line(monkeypatch):
     tasks.sst2()
   with pytest.raises(SystemExit, match=r"^error: /nowhere/wikitext-2-raw does not exist"):
     tasks.wikitext2("/nowhere")
+
+
+def test_zeroshot_flag_errors_exit_2(shared_data, tmp_path):
+  run = cli(*flags("clm", shared_data), f"--workdir={tmp_path}", "--mode=zeroshot", "--zeroshot=choice",
+            "--threshold=-3")
+  assert run.returncode == 2 and run.stderr.splitlines() == [
+      "error: --threshold / --threshold_split are for --zeroshot=acceptability, not choice"], run.stderr
