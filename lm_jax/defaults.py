@@ -54,6 +54,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 2
   c.peak_tflops = 0.0             # per device, for MFU; 0 = a table by device kind (lm_jax/hardware.py)
 
+  c.profile = ml_collections.ConfigDict()   # jax.profiler traces into WORKDIR/profile (lm_jax/profiling.py)
+  c.profile.steps = ()            # (first step, number of steps) to trace, e.g. (10, 3); () = off
+  c.profile.host = False          # also trace the host's Python calls (input pipeline, loop): bigger traces
+  c.profile.all_processes = False # every process writes a trace; False = process 0 only
+
+  c.wandb = ml_collections.ConfigDict()     # Weights & Biases from process 0 (lm_jax/wandb_log.py; pip install wandb)
+  c.wandb.project = ""            # "" = off
+  c.wandb.entity = ""             # "" = your default entity
+  c.wandb.name = ""               # "" = W&B's generated name
+  c.wandb.tags = ()
+  c.wandb.mode = ""               # online, offline or disabled; "" = WANDB_MODE or online
+
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1                # -1 takes the devices the other axes leave
   c.mesh.fsdp = 1
