@@ -124,7 +124,7 @@ def run(s: Schedules, step: Callable, state, start: int, end: int) -> tuple[obje
         with ledger.timing("host"):
           check_finite(host, i - len(host), s.mngr, unit)
           tokens = {"tokens": i * s.tokens_per_step} if s.tokens_per_step else {}
-          result["train"] = {"step": i, **tokens, **s.record(host, seconds), **split}
+          result["train"] = {"step": i, **s.record(host, seconds), **tokens, **split}
           s.log.write(result["train"])
           say(metrics_log.console(result["train"], end, seconds))
       evaluate_now = s.evaluate is not None and (i % c.eval_every == 0 or last)

@@ -132,12 +132,13 @@ class MetricsLog:
     if self.wandb:
       self.wandb.log(record)
 
-  def close(self, summary: dict | None = None):
-    """Closes TensorBoard's writer and the W&B run, which keeps `summary` (the goodput numbers)."""
+  def close(self, goodput_summary: dict | None = None):
+    """Closes TensorBoard's writer and the W&B run, whose summary keeps the goodput numbers as goodput/..."""
     if self.tb:
       self.tb.close()
     if self.wandb:
-      self.wandb.summary.update(summary or {})
+      summary = goodput_summary or {}
+      self.wandb.summary.update({k if k == "goodput" else f"goodput/{k}": v for k, v in summary.items()})
       self.wandb.finish()
 
 

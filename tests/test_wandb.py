@@ -65,4 +65,4 @@ def test_an_offline_run_holds_the_records_and_a_resumed_run_continues_it(shared_
   assert [r["step"] for r in first["history"]] == [1, 3, 6, 6]   # train records, and the eval at the end
   assert [r["step"] for r in resumed["history"]] == [9, 10, 10]
   assert first["history"] + resumed["history"] == metrics_log.read(tmp_path / "metrics.jsonl")   # JSON: exact
-  assert 0 < float(resumed["summary"]["goodput"]) < 1
+  assert 0 < float(resumed["summary"]["goodput"]) < 1 and float(resumed["summary"]["goodput/compile_s"]) > 0
