@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from matplotlib import image
 
 from lm_jax import metrics_log, plot
@@ -44,6 +45,5 @@ def test_plot_writes_a_png_of_two_runs(tmp_path):
 
 
 def test_plot_says_which_workdir_has_no_records(tmp_path):
-  run = subprocess.run([sys.executable, "-m", "lm_jax.plot", str(tmp_path)], cwd=REPO, capture_output=True,
-                       text=True, timeout=300)
-  assert run.returncode == 1 and run.stderr.strip() == f"lm_jax.plot: no records in {tmp_path / 'metrics.jsonl'}"
+  with pytest.raises(SystemExit, match=f"^lm_jax.plot: no records in {tmp_path / 'metrics.jsonl'}$"):
+    plot.main([str(tmp_path)])

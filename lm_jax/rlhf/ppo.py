@@ -230,7 +230,8 @@ def train(config, workdir: str, *, devices=None) -> dict:
 def loop(run: Run, workdir: str) -> dict:
   """train() with the parts built: iterations from the latest checkpoint in workdir (or the start) to the end on
   lm_jax.loop's schedules: a record every config.log_every iterations in workdir/metrics.jsonl, checkpoints (the PPO
-  state, and the policy in WORKDIR/policy) on schedule and on SIGTERM."""
+  state, and the policy in WORKDIR/policy) on schedule and on SIGTERM. The goodput line counts from here (build()'s
+  time is not in it)."""
   s, c, ledger = run.setup, run.setup.config, goodput.Ledger()
   mngr, policy_mngr = checkpoint.manager(workdir, c.keep_checkpoints), _policy_workdir(run, workdir)
   ptx_it = _ptx_iterator(run)
