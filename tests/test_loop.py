@@ -12,7 +12,7 @@ import pytest
 
 from lm_jax import metrics_log, profiling, train
 from lm_jax.data import pipeline
-from conftest import load_config, records
+from conftest import REPO, load_config, records
 
 
 def test_a_slow_eval_does_not_inflate_its_windows_throughput(shared_data, tmp_path, monkeypatch):
@@ -58,10 +58,10 @@ class _SlowBatches:
 @pytest.fixture(scope="module")
 def slow_run(shared_data, tmp_path_factory):
   """(workdir, console output) of 12 tiny steps on a slow data source, logging every 6, evaluating and saving at 6
-  and 12, with steps 3-4 profiled."""
+  and 12, with steps 3-4 profiled (with the host's Python calls)."""
   workdir = tmp_path_factory.mktemp("slow")
   config = load_config("clm", shared_data, total_steps=12, log_every=6, eval_every=6, checkpoint_every=6,
-                       **{"profile.steps": (3, 2)})
+                       **{"profile.steps": (3, 2), "profile.host": True})
   make = pipeline.make_train_iterator
   with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as out:
     patch.setattr(pipeline, "make_train_iterator", lambda *a, **k: _SlowBatches(make(*a, **k)))
@@ -95,12 +95,14 @@ def test_the_time_split_shows_the_data_wait(slow_run):
 def test_a_profiled_run_leaves_a_trace_of_its_steps(slow_run):
   """config.profile.steps = (3, 2): WORKDIR/profile holds the session TensorBoard's profile plugin lists, its
   .xplane.pb (read here with jaxlib's reader of the same proto) holds the train step's XLA ops, the step markers of
-  steps 3 and 4 only, and the data waits; Perfetto's trace lies beside it."""
+  steps 3 and 4 only, the data waits and (config.profile.host) the input pipeline's Python calls; Perfetto's trace
+  lies beside it."""
   workdir, _ = slow_run
   session = workdir / "profile" / "plugins" / "profile" / "steps_3-4"
   xplanes = list(session.glob("*.xplane.pb"))
   assert len(xplanes) == 1 and (session / "perfetto_trace.json.gz").is_file(), list(session.iterdir())
-  modules, steps, waits = collections.Counter(), set(), 0
+  data_files = tuple(f"${p.name}:" for p in (REPO / "lm_jax" / "data").glob("*.py"))   # Python events: $file:line
+  modules, steps, waits, pipeline_calls = collections.Counter(), set(), 0, 0
   for plane in jax.profiler.ProfileData.from_file(str(xplanes[0])).planes:
     for line in plane.lines:
       for event in line.events:
@@ -108,8 +110,9 @@ def test_a_profiled_run_leaves_a_trace_of_its_steps(slow_run):
         modules[stats.get("hlo_module")] += "hlo_op" in stats
         steps |= {stats["step_num"]} if event.name == "train" and "step_num" in stats else set()
         waits += event.name == "data_wait"
+        pipeline_calls += event.name.startswith(data_files)
   assert modules["jit_step"] > 0, modules   # lm_jax.step.make_train_step's jitted `step`
-  assert steps == {3, 4} and waits == 2, (steps, waits)
+  assert steps == {3, 4} and waits == 2 and pipeline_calls > 0, (steps, waits, pipeline_calls)
 
 
 def test_profile_steps_must_be_a_start_and_a_count(shared_data):
