@@ -28,6 +28,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.shuffle = True
   c.data.shards = 1               # training stream shards; hosts split them (see lm_jax/data/pipeline.py)
   c.data.eval_batches = 8         # batches per eval; 0 = every complete batch of the eval split
+  c.data.mixture = ()             # sources sampled by weight into one stream (replaces tfds_name):
+                                  # (dict(name=, files= or tfds_name=, text_field=, train_split=, eval_split=,
+                                  # weight=), ...); left-out fields are data.*'s (lm_jax/data/mixture.py)
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adamw"

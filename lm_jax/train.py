@@ -58,8 +58,15 @@ def make_evaluator(s: Setup) -> Callable:
   it = _hosts("eval", s)
   batches = list(it)
   eval_step = step.make_eval_step(s.config, s.objective, s.state_sharding["params"], s.mesh)
-  return lambda params: predict.eval_record(s.objective, predict.eval_outputs(eval_step, params, batches, s.mesh),
-                                            it.text_per_token)
+
+  def evaluate(params):
+    outputs = predict.eval_outputs(eval_step, params, batches, s.mesh)
+    record = predict.eval_record(s.objective, outputs, it.text_per_token)
+    for name, (part, per_token) in it.sources.items():   # a data mixture: each source's metrics too
+      own = predict.eval_record(s.objective, outputs[part], per_token)
+      record.update({f"eval_{name}_{k.removeprefix('eval_')}": v for k, v in own.items()})
+    return record
+  return evaluate
 
 
 def _init_or_restore(s: Setup, mngr, train_it):
