@@ -1,8 +1,9 @@
 """python -m lm_jax.plot WORKDIR [WORKDIR ...] [--out FILE]: the train and eval curves of one or several runs, from
 their metrics.jsonl, in one PNG (matplotlib's Figure, without pyplot: no display, no global state).
 
-Panels, for the fields the records have: loss (train `loss`, eval `eval_loss`), perplexity (`eval_perplexity`, and
-exp(`token_loss`) in training), accuracy (every *accuracy field) and tokens/s. The first row is over steps, the second
+Panels, for the fields the records have: loss (train `loss`, eval `eval_loss` and a data mixture's `eval_SOURCE_loss`),
+perplexity (every *perplexity field, and exp(`token_loss`) in training), accuracy (every *accuracy field) and
+tokens/s. The first row is over steps, the second
 over training tokens (train records' `tokens`; eval records at the same step's count). Each run has its colour, train
 curves are solid, eval curves dashed.
 
@@ -34,9 +35,9 @@ def curves(records: list[dict]) -> dict:
     for k, v in r.items():
       if k == "step" or not isinstance(v, (int, float)):
         continue
-      if k in ("loss", "eval_loss"):
+      if k == "loss" or (k.startswith("eval_") and k.endswith("_loss") and not k.endswith("token_loss")):
         add("loss", k, r, v)
-      elif k == "eval_perplexity":
+      elif k.endswith("perplexity"):
         add("perplexity", k, r, v)
       elif k == "token_loss" and train:
         add("perplexity", "perplexity", r, math.exp(min(v, 50.0)))

@@ -20,8 +20,9 @@ def _workdir(path, steps, loss_scale):
     records.append({"step": step, "tokens": step * 4096, "loss": loss, "token_loss": loss, "accuracy": 0.1,
                     "tokens_per_sec": 1e4, "step_s": 0.5})
     if step % 50 == 0:
-      records.append({"step": step, "eval_loss": loss + 0.1, "eval_perplexity": float(np.exp(loss + 0.1)),
-                      "eval_accuracy": 0.2})
+      records.append({"step": step, "eval_loss": loss + 0.1, "eval_token_loss": loss + 0.1,
+                      "eval_perplexity": float(np.exp(loss + 0.1)), "eval_accuracy": 0.2,
+                      "eval_books_loss": loss + 0.2})   # a data mixture's source
   (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
   return path
 
@@ -40,7 +41,8 @@ def test_plot_writes_a_png_of_two_runs(tmp_path):
   assert [(ax.get_title(), ax.get_xlabel()) for ax in axes] == [
       (p, x) for x in ("step", "tokens") for p in ("loss", "perplexity", "accuracy", "tokens/s")]
   loss_over_tokens = {line.get_label(): line.get_xdata() for line in axes[4].get_lines()}
-  assert list(loss_over_tokens) == ["a: loss", "a: eval_loss", "b: loss", "b: eval_loss"]
+  assert list(loss_over_tokens) == ["a: loss", "a: eval_loss", "a: eval_books_loss", "b: loss", "b: eval_loss",
+                                    "b: eval_books_loss"]
   np.testing.assert_array_equal(loss_over_tokens["b: eval_loss"], [50 * 4096, 100 * 4096])
 
 
