@@ -6,25 +6,30 @@ Records carry their own `step` as W&B's x-axis (define_metric), not W&B's intern
 steps after its checkpoint, which W&B's monotonic step would drop. W&B's files go to WORKDIR/wandb (local workdirs).
 
 wandb is optional: importlib loads it here, the one place, only for a run that asks for it (tests/test_imports.py
-allows no function-level import statements); requirements-test.txt installs it for the tests.
+allows no function-level import statements; check() says before anything is built when it is missing);
+requirements-test.txt installs it for the tests.
 """
 import importlib
+import importlib.util
 
 from etils import epath
 
 ID_FILE = "wandb_run_id"
+MODES = ("", "online", "offline", "disabled")
 
 
-def _wandb():
-  try:
-    return importlib.import_module("wandb")
-  except ModuleNotFoundError as e:
-    raise ModuleNotFoundError("config.wandb.project is set but wandb is not installed: pip install wandb") from e
+def check(config):
+  """One-line errors for config.wandb (config_lib.validate calls it before anything is built)."""
+  w = config.wandb
+  if w.mode not in MODES:
+    raise ValueError(f"config.wandb.mode={w.mode!r} unknown; use online, offline or disabled ('' = WANDB_MODE)")
+  if w.project and importlib.util.find_spec("wandb") is None:
+    raise ValueError(f"config.wandb.project={w.project!r} needs wandb, which is not installed: pip install wandb")
 
 
 def start(config, workdir: str):
   """The W&B run of workdir (a new one, or the one whose id workdir keeps), with the config logged."""
-  wandb, w = _wandb(), config.wandb
+  wandb, w = importlib.import_module("wandb"), config.wandb
   id_file = epath.Path(workdir) / ID_FILE
   run_id = id_file.read_text().strip() if id_file.exists() else None   # None: W&B makes a new run and its id
   run = wandb.init(project=w.project, entity=w.entity or None, name=w.name or None, tags=list(w.tags),

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import metrics_log, profiling, train
+from lm_jax import config_lib, metrics_log, train
 from lm_jax.data import pipeline
 from conftest import REPO, load_config, records
 
@@ -77,7 +77,7 @@ def test_the_time_split_shows_the_data_wait(slow_run):
   recs = {r["step"]: r for r in records(workdir)}
   assert sorted(recs) == [1, 6, 12]
   last = recs[12]
-  assert 6 * SLEEP <= last["data_s"] < 6 * SLEEP + 1.0, last
+  assert 6 * SLEEP <= last["data_s"] < 6 * SLEEP + 3.0, last   # + the real pipeline's waits on a loaded machine
   assert last["data_s"] > last["step_s"] and last["eval_s"] > 0 and last["checkpoint_s"] > 0, last
   assert recs[1]["compile_s"] > 0 and last["compile_s"] > 0    # the train step's, then the eval step's
   assert all(r[k] >= 0 for r in recs.values() for k in metrics_log.TIME_SPLIT), recs
@@ -117,5 +117,5 @@ def test_a_profiled_run_leaves_a_trace_of_its_steps(slow_run):
 
 def test_profile_steps_must_be_a_start_and_a_count(shared_data):
   config = load_config("clm", shared_data, **{"profile.steps": (0, 2)})
-  with pytest.raises(ValueError, match=r"config.profile.steps=\(0, 2\): want \(first step, number of steps\)"):
-    profiling.check(config)
+  with pytest.raises(config_lib.ConfigError, match=r"^config.profile.steps=\(0, 2\): want \(first step, number of"):
+    config_lib.validate(config, 1)

@@ -2,9 +2,10 @@
 workdir hold the config and the log records, and a resumed run continues the same W&B run."""
 import struct
 
+import pytest
 from wandb.proto import wandb_internal_pb2
 
-from lm_jax import metrics_log, train, wandb_log
+from lm_jax import config_lib, metrics_log, train, wandb_log
 from conftest import load_config
 
 _BLOCK = 32768   # the .wandb file is a LevelDB log (32 KiB blocks) after a 7-byte W&B header
@@ -66,3 +67,9 @@ def test_an_offline_run_holds_the_records_and_a_resumed_run_continues_it(shared_
   assert [r["step"] for r in resumed["history"]] == [9, 10, 10]
   assert first["history"] + resumed["history"] == metrics_log.read(tmp_path / "metrics.jsonl")   # JSON: exact
   assert 0 < float(resumed["summary"]["goodput"]) < 1 and float(resumed["summary"]["goodput/compile_s"]) > 0
+
+
+def test_bad_wandb_mode_is_one_line_naming_the_field(shared_data):
+  config = load_config("clm", shared_data, **{"wandb.mode": "offlne"})
+  with pytest.raises(config_lib.ConfigError, match=r"^config.wandb.mode='offlne' unknown; use online, offline"):
+    config_lib.validate(config, 1)
