@@ -87,8 +87,8 @@ class Window:
 
 
 def line(summary: dict) -> str:
-  """'goodput 81.2% of 0:02:10 wall | compile 12.1s (9.3%) | ...': the share of productive step time, then the rest
-  by size."""
+  """'goodput G% of H:MM:SS wall | step S.Ss | compile C.Cs (c%) | ...': the share of productive step time, then the
+  rest by size."""
   wall = summary["wall_s"]
   rest = sorted(((k.removesuffix("_s"), v) for k, v in summary.items() if k.endswith("_s") and k not in
                  ("wall_s", "step_s")), key=lambda kv: -kv[1])
