@@ -69,6 +69,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.wandb.tags = ()
   c.wandb.mode = ""               # online, offline or disabled; "" = WANDB_MODE or online
 
+  c.eval = ml_collections.ConfigDict()   # lm-evaluation-harness tasks (lm_jax/lm_eval_adapter.py)
+  c.eval.lm_eval_tasks = ()       # the harness' task names or configs/lm_eval's, e.g. ("lm_jax_sst2",); () = off
+  c.eval.lm_eval_every = 0        # steps between runs of the tasks, a multiple of eval_every; 0 = at every eval
+  c.eval.lm_eval_limit = 0        # documents per task (the harness' --limit); 0 = all
+
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1                # -1 takes the devices the other axes leave
   c.mesh.fsdp = 1
