@@ -20,7 +20,7 @@ def test_a_slow_eval_does_not_inflate_its_windows_throughput(shared_data, tmp_pa
   neighbours (2-10, 21-30) within 2x (a loaded, shared CPU): the steps 11-19 still queued when the eval starts ran
   during its sleep, and they count as steps. Timing from the eval's call, the window would report them as free."""
   def slow_evaluator(s):
-    def run(params):
+    def run(params, step):
       time.sleep(3)
       return {"eval_loss": 1.0}
     return run
