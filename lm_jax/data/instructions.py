@@ -125,7 +125,7 @@ class Examples(tasks.TokenizedSplit):
   """Instruction or preference examples (Example: prompt, responses, index)."""
 
   def __init__(self, config, records_, tokenizer):
-    super().__init__(records_, tokenizer, ("identical",))
+    super().__init__(records_, tokenizer, ())
     self._config = config
     records_lib.screen(records_, _problem)
 

@@ -176,7 +176,7 @@ class TokenizedSplit:
 
 class Examples(TokenizedSplit):
   """Task examples (Example: segments, label, index). label_field: the label every record needs to be usable
-(records.screen); '' on a split that may be unlabelled."""
+  (records.screen); '' on a split that may be unlabelled."""
 
   def __init__(self, records_, tokenizer, label_field: str):
     super().__init__(records_, tokenizer, ("undecodable", "unlabelled"))
