@@ -109,6 +109,18 @@ def test_identical_pairs_stop_dpo_when_all_and_warn_when_some(tmp_path, caplog):
   assert [ex is not None for ex in found.tokens([0, 1, 2])] == [True, False, True]   # nothing to learn: skipped
 
 
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": 5}\n', r"no usable prompt; .*prompts.jsonl:1: field 'prompt' is int, not text$"),
+    (b"hello\nworld\n", r"no usable prompt; .*2 malformed of 2 records; first: .*prompts.jsonl:1: not JSON"),
+    (b"\x00\x01ELF" * 100, r"prompts.jsonl looks binary \(NUL bytes at offset 0\)"),
+])
+def test_ppo_prompts_that_cannot_be_read_are_one_line(tmp_path, content, message):
+  (tmp_path / "prompts.jsonl").write_bytes(content)
+  c = config_lib.load("configs/rlhf/ppo.py:tiny", {"ppo.prompts": str(tmp_path / "prompts.jsonl")})
+  with pytest.raises(ValueError, match=f"^config.ppo.prompts.*{message}"):
+    instructions.prompts(c, _Tokenizer())
+
+
 # ------------------------------------------------------------------------------------------------ what trains
 def _tiny_bert(**fields):
   m = defaults.model_defaults("bert")
