@@ -11,6 +11,7 @@ a save that fails in the background (a full disk) stops the run at the next step
 failed step's temporary folder removed and the previous steps untouched.
 """
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -36,9 +37,13 @@ def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   root = workdir if "://" in workdir else os.path.abspath(workdir)  # gs://... stays as it is
   handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
               "config": ocp.JsonCheckpointHandler()}  # registered so item_metadata() can read the state's tree
+  # Multi-host barrier keys of this directory's own: two managers saving at once (PPO's state and its policy) would
+  # otherwise meet at the same orbax barrier and fail ('Barrier ... is already ongoing').
+  barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=hashlib.sha1(root.encode()).hexdigest()[:12])
   return ocp.CheckpointManager(
       epath.Path(root) / "checkpoints", item_handlers=handlers,
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+                                           multiprocessing_options=barriers))
 
 
 def _plain(config) -> dict:
