@@ -26,24 +26,45 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from lm_jax import metrics_log
+from lm_jax.data import mixture
 
 # Model fields that change how the model runs, not which parameters it has: free to differ on resume.
 RUNTIME_MODEL_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "remat_policy")
 # Data fields the train iterator's position does not depend on.
 EVAL_DATA_FIELDS = ("eval_split", "eval_batches", "tfds_data_dir")
+# Config groups that decide which parameters train as adapters (lm_jax.peft): part of the state's layout.
+ADAPTER_GROUPS = ("lora", "ia3")
 
 
-def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
-  root = workdir if "://" in workdir else os.path.abspath(workdir)  # gs://... stays as it is
+def directory(workdir: str) -> epath.Path:
+  """workdir/checkpoints (gs://... stays as it is)."""
+  return epath.Path(workdir if "://" in workdir else os.path.abspath(workdir)) / "checkpoints"
+
+
+def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.CheckpointManager:
+  """The run's checkpoints. read_only: one that neither creates workdir/checkpoints nor removes the temporary folders
+  in it, for reading another run's workdir (init_from, reward_from: it may be training) or an eval's."""
   handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
               "config": ocp.JsonCheckpointHandler()}  # registered so item_metadata() can read the state's tree
   # Multi-host barrier keys of this directory's own: two managers saving at once (PPO's state and its policy) would
   # otherwise meet at the same orbax barrier and fail ('Barrier ... is already ongoing').
-  barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=hashlib.sha1(root.encode()).hexdigest()[:12])
+  key = hashlib.sha1(str(directory(workdir)).encode()).hexdigest()[:12]
+  barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=key)
   return ocp.CheckpointManager(
-      epath.Path(root) / "checkpoints", item_handlers=handlers,
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
-                                           multiprocessing_options=barriers))
+      directory(workdir), item_handlers=handlers,
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                           cleanup_tmp_directories=not read_only, multiprocessing_options=barriers))
+
+
+def has_checkpoint(workdir: str) -> bool:
+  """Whether workdir holds a complete checkpoint step; writes nothing."""
+  if not directory(workdir).is_dir():
+    return False
+  mngr = manager(workdir, 1, read_only=True)
+  try:
+    return mngr.latest_step() is not None
+  finally:
+    mngr.close()
 
 
 def _plain(config) -> dict:
@@ -219,6 +240,7 @@ def check_state(saved_tree, abstract_state, saved_config: dict, config, what: st
          for path, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
   if saved == now:
     return
+  _check_adapters(saved_config, config, what)
   old, new = saved_config.get("optimizer", {}), _plain(config.optimizer)
   fields = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
   if fields:
@@ -228,6 +250,19 @@ def check_state(saved_tree, abstract_state, saved_config: dict, config, what: st
   name = min(set(saved) ^ set(now) or {k for k in saved if saved[k] != now[k]})
   raise ValueError(f"{what} does not fit this config: {name} is {saved.get(name)} in the checkpoint and "
                    f"{now.get(name)} here; use a new --workdir")
+
+
+def _check_adapters(saved_config: dict, config, what: str):
+  """One-line error when the checkpoint was trained with other adapters (config.lora, config.ia3) than the config
+  has: the usual cause of a state that does not fit when evaluating or exporting an adapter run."""
+  now = _plain(config)
+  for group in ADAPTER_GROUPS:
+    old, new = saved_config.get(group) or {}, now.get(group) or {}
+    fields = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if fields:
+      as_flags = lambda values: " ".join(f"--config.{group}.{k}={values.get(k)!r}" for k in fields)
+      raise ValueError(f"{what} was trained with {as_flags(old)} but the config has {as_flags(new)}: pass the run's "
+                       f"config (its {group} flags)")
 
 
 def check_model(saved: dict, config, directory: str):
@@ -245,7 +280,8 @@ def data_changes(saved: dict, config) -> list[str]:
   now = _plain(config)
   old_data, new_data = saved["data"], now["data"]
   changes = [f"data.{k}: {old_data.get(k)!r} -> {new_data.get(k)!r}" for k in sorted(set(old_data) | set(new_data))
-             if k not in EVAL_DATA_FIELDS and old_data.get(k) != new_data.get(k)]
+             if k not in (*EVAL_DATA_FIELDS, "mixture") and old_data.get(k) != new_data.get(k)]
+  changes += mixture.changes(old_data.get("mixture", []), new_data.get("mixture", []))  # eval splits may change
   for k in ("batch_size", "seed"):
     if saved.get(k) != now.get(k):
       changes.append(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}")

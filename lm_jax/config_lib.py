@@ -20,7 +20,8 @@ from typing import Iterable, Mapping
 import ml_collections
 from absl import app, flags
 
-from lm_jax import checkpoint, init_from, models, objectives, optim, params, sharding
+from lm_jax import checkpoint, init_from, models, objectives, optim, params, profiling, sharding, wandb_log
+from lm_jax.data import mixture
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _PACKAGE = str(pathlib.Path(__file__).resolve().parent) + os.sep
@@ -193,6 +194,9 @@ def _validate(config, num_devices, process_count):
   params.check(config)  # what trains: freeze patterns, adapter methods, layer_decay
   init_from.check(config)  # reinit_top_layers
   checkpoint.check_best(config)  # best_metric
+  mixture.sources(config)  # data.mixture: source fields, names, weights
+  profiling.check(config)  # profile.steps
+  wandb_log.check(config)  # wandb.mode; wandb installed when wandb.project is set
   m, o = config.model, config.optimizer
   _require(o.name in optim.OPTIMIZERS, f"config.optimizer.name={o.name!r} unknown; use {', '.join(optim.OPTIMIZERS)}")
   _require(o.schedule in optim.SCHEDULES,
@@ -255,9 +259,9 @@ def parse_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 @contextlib.contextmanager
 def user_errors():
   """Inside, a user's mistake exits with one line `error: ...` on stderr: 2 for a ConfigError or absl
-  UsageError; 1 for a ValueError or FloatingPointError raised by lm_jax (data, checkpoints, a diverged run) or
-  a file that cannot be found, read or written. Anything else is a bug and keeps its traceback, as does every
-  error with LM_JAX_TRACEBACK=1."""
+  UsageError; 1 for a ValueError, FloatingPointError or OSError raised by lm_jax (data, checkpoints, a diverged
+  run, a full disk, a workdir in use) or a file that cannot be found, read or written. Anything else is a bug and
+  keeps its traceback, as does every error with LM_JAX_TRACEBACK=1."""
   try:
     yield
   except Exception as e:  # re-raised unless it is the user's
@@ -273,7 +277,7 @@ def _exit_code(e: BaseException) -> int | None:
     return 2
   if isinstance(e, (FileNotFoundError, PermissionError)) or (isinstance(e, OSError) and e.filename):
     return 1
-  if isinstance(e, (ValueError, FloatingPointError)) and _raised_in_lm_jax(e):
+  if isinstance(e, (ValueError, FloatingPointError, OSError)) and _raised_in_lm_jax(e):  # OSError: a full disk
     return 1
   return None
 

@@ -13,8 +13,8 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from lm_jax import (checkpoint, config_lib, hardware, init_from, loop, metrics_log, objectives, params as params_lib,
-                    predict, sharding, step)
+from lm_jax import (checkpoint, config_lib, goodput, hardware, init_from, lm_eval_adapter, loop, metrics_log,
+                    objectives, params as params_lib, predict, sharding, step, workdir_lock)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.hf import export
 
@@ -40,6 +40,7 @@ def setup(config, workdir: str, devices=None) -> Setup:
   config = init_from.resolve(config)
   devices = jax.devices() if devices is None else list(devices)
   config_lib.validate(config, len(devices), jax.process_count())
+  lm_eval_adapter.check(config)
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   tokenizer = tokenizer_lib.load_or_train(config, workdir)
   mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
@@ -54,12 +55,23 @@ def _hosts(kind: str, s: Setup, **kwargs):
 
 
 def make_evaluator(s: Setup) -> Callable:
-  """params -> eval record (without step), over the eval batches, built once."""
+  """(params, step or None) -> eval record (without step), over the eval batches, built once; with
+  config.eval.lm_eval_tasks also the tasks' metrics at the steps lm_eval_adapter.due names (None: always)."""
   it = _hosts("eval", s)
   batches = list(it)
   eval_step = step.make_eval_step(s.config, s.objective, s.state_sharding["params"], s.mesh)
-  return lambda params: predict.eval_record(s.objective, predict.eval_outputs(eval_step, params, batches, s.mesh),
-                                            it.text_per_token)
+  harness = lm_eval_adapter.Harness(s.config, s.tokenizer) if s.config.eval.lm_eval_tasks else None
+
+  def evaluate(params, i=None):
+    outputs = predict.eval_outputs(eval_step, params, batches, s.mesh)
+    record = predict.eval_record(s.objective, outputs, it.text_per_token)
+    for name, (part, per_token) in it.sources.items():   # a data mixture: each source's metrics too
+      own = predict.eval_record(s.objective, outputs[part], per_token)
+      record.update({f"eval_{name}_{k.removeprefix('eval_')}": v for k, v in own.items()})
+    if harness and (i is None or lm_eval_adapter.due(s.config, i)):
+      record.update(harness(params))
+    return record
+  return evaluate
 
 
 def _init_or_restore(s: Setup, mngr, train_it):
@@ -87,7 +99,7 @@ def _record(s: Setup, peak: float) -> Callable:
   return record
 
 
-def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]:
+def _loop(s: Setup, state, start: int, mngr, train_it, log, ledger) -> tuple[dict, dict]:
   """Steps start+1 .. end on the log / eval / checkpoint / preemption schedules (lm_jax.loop)."""
   c = s.config
   train_step = step.make_train_step(c, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
@@ -98,13 +110,17 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
   data_state = lambda: checkpoint.data_state(train_it)
   schedules = loop.Schedules(
       c, mngr, log, _record(s, peak), save=lambda i, state: checkpoint.save(mngr, i, state, data_state(), c),
-      data_state=data_state, evaluate=(lambda state: evaluator(state["params"])) if evaluator else None,
+      ledger=ledger, data_state=data_state,
+      evaluate=(lambda state: evaluator(state["params"], int(state["step"]))) if evaluator else None,
+      tokens_per_step=c.batch_size * s.objective.tokens_per_example(c),
       best=checkpoint.Best(str(mngr.directory.parent), c) if evaluator and c.finetune.best_metric else None)
-  train_one = lambda state, i: train_step(state, sharding.global_batch(next(train_it), batch_sh))
+  batches = ledger.waited(train_it)   # the time in next() is the data wait
+  train_one = lambda state, i: train_step(state, sharding.global_batch(next(batches), batch_sh))
   return loop.run(schedules, train_one, state, start, c.phase_end_step or c.total_steps)
 
 
 # ----------------------------------------------------------------------------------------------- entry points
+@workdir_lock.holding   # one run per workdir
 def train(config, workdir: str, *, devices=None) -> dict:
   """Trains (or resumes) to config.phase_end_step or total_steps. Returns {'step', 'train': last train
   record, 'eval': last eval record, 'state': final train state}. An objective that trains on its own rollouts
@@ -112,18 +128,21 @@ def train(config, workdir: str, *, devices=None) -> dict:
   if objectives.get(config.objective).rollouts:
     raise ValueError(f"config.objective={config.objective!r} trains on rollouts: lm_jax.rlhf.ppo.train runs it "
                      "(python -m lm_jax.main picks it)")
+  ledger = goodput.Ledger()
   s = setup(config, workdir, devices)
   trainable, total = params_lib.count(s.config)
   loop.say(f"parameters: {trainable:,} trainable of {total:,}")
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
   train_it = _hosts("train", s)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-    state, start = _init_or_restore(s, mngr, train_it)
-    log = metrics_log.MetricsLog(workdir, start)
-    state, result = _loop(s, state, start, mngr, train_it, log)
-    checkpoint.finish(mngr)
+    with ledger.timing("restore"):
+      state, start = _init_or_restore(s, mngr, train_it)
+    log = metrics_log.MetricsLog(workdir, start, config=s.config)
+    state, result = _loop(s, state, start, mngr, train_it, log, ledger)
+    with ledger.timing("checkpoint"):
+      checkpoint.finish(mngr)
     mngr.close()
-    log.close()
+    loop.finish(log, ledger)
     train_it.close()
   return {**result, "state": state}
 
@@ -147,18 +166,24 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
   return record
 
 
-def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = False):
+def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = False, overwrite: bool = False):
   """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf).
   An adapter run (LoRA, IA³) writes its base model there and its adapters in the PEFT format to export_dir/adapter,
-  or with `merged` the model with the adapters merged in."""
+  or with `merged` the model with the adapters merged in. Atomic (export.writing): a non-empty export_dir is refused
+  before anything is read, unless `overwrite` replaces it whole."""
+  export.check_target(export_dir, overwrite)
+  if overwrite and os.path.commonpath([os.path.abspath(export_dir), os.path.abspath(workdir)]) == \
+      os.path.abspath(export_dir):
+    raise ValueError(f"--export_dir={export_dir} --overwrite would replace the run's own workdir {workdir}")
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     params = jax.device_get(params)
     plain = jax.device_get(params_lib.merged(s.config, params)) if merged else params_lib.base(s.config, params)
-    export.save_hf(s.config.model, plain, export_dir, tokenizer=s.tokenizer)
-    if not merged:
-      params_lib.save_adapter(s.config, params, os.path.join(export_dir, "adapter"))
+    with export.writing(export_dir, overwrite) as out:
+      export.save_hf(s.config.model, plain, out, tokenizer=s.tokenizer)
+      if not merged:
+        params_lib.save_adapter(s.config, params, os.path.join(out, "adapter"))
   loop.say(f"exported step {latest} to {export_dir}")
   return export_dir
