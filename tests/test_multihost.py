@@ -118,7 +118,11 @@ PPO = "--config=configs/rlhf/ppo.py:tiny"
 PPO_OVERRIDES = {"total_steps": 2, "checkpoint_every": 2, "batch_size": 16, "ppo.minibatches": 2, "ppo.epochs": 2,
                  "ppo.prompt_len": 8, "ppo.max_new_tokens": 8, "ppo.ptx_coef": 0.05, "model.num_layers": 1,
                  "data.seq_len": 16, "mesh.fsdp": 2, "mesh.tensor": 2}
-TIMINGS = ("rollout_s", "scoring_s", "update_s", "tokens_per_sec")   # wall-clock: differ between any two runs
+
+
+def is_timing(key: str) -> bool:
+  """A wall-clock field (rollout_s, compile_s, tokens_per_sec, ...): differs between any two runs."""
+  return key.endswith(("_s", "_per_sec"))
 
 
 def test_ppo_on_two_processes_matches_one_process(shared_data, tmp_path):
@@ -137,6 +141,6 @@ def test_ppo_on_two_processes_matches_one_process(shared_data, tmp_path):
   assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2]
   for a, b in zip(two, one):
     assert set(a) == set(b)
-    for k in set(a) - set(TIMINGS):
+    for k in [k for k in a if not is_timing(k)]:
       assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k, a[k], b[k])
   assert (tmp_path / "two" / "checkpoints" / "2").is_dir() and (tmp_path / "two" / "policy" / "checkpoints").is_dir()
