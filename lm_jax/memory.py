@@ -190,6 +190,27 @@ def rescheduled(est: Estimate, config) -> Estimate:
                              activations=activation_bytes(config, rows, div))
 
 
+def compiled_line(analysis, est: Estimate) -> str:
+  """The trainer's start-up line: the compiled step's per-device memory (compiled.memory_analysis()) next to this
+  module's estimate, in MiB."""
+  a = analysis
+  total = (a.argument_size_in_bytes + a.output_size_in_bytes - a.alias_size_in_bytes + a.temp_size_in_bytes
+           + a.generated_code_size_in_bytes)
+  mib = lambda b: f"{b / 2**20:.1f}"
+  return (f"memory per device (MiB): compiled step arguments {mib(a.argument_size_in_bytes)} (params, optimizer "
+          f"state, batch), outputs {mib(a.output_size_in_bytes)} (aliased {mib(a.alias_size_in_bytes)}), temporaries "
+          f"{mib(a.temp_size_in_bytes)}, code {mib(a.generated_code_size_in_bytes)}, total {mib(total)} | "
+          f"lm_jax.memory: params {mib(est.params)}, optimizer state {mib(est.opt_state)}, gradients "
+          f"{mib(est.grads)}, activations {mib(est.activations)}, total {mib(est.total)}")
+
+
+def device_stats(device) -> dict:
+  """Memory in use and its peak on `device` in GiB (jax.Device.memory_stats: GPU, TPU), {} where not reported."""
+  stats = device.memory_stats() or {}
+  names = {"bytes_in_use": "device_memory_gib", "peak_bytes_in_use": "device_memory_peak_gib"}
+  return {name: stats[key] / GiB for key, name in names.items() if key in stats}
+
+
 if __name__ == "__main__":
   from absl import app, flags
 
