@@ -22,6 +22,7 @@ import numpy as np
 from flax import linen as nn
 
 from lm_jax import config_lib, hardware, init_from, memory, objectives, sharding, step, topology
+from lm_jax.models import layers
 
 GiB = 2**30
 
@@ -100,7 +101,8 @@ def compile_steps(config, topo: topology.Topology):
   if config.eval_every:   # the trainer builds its evaluator only then
     steps.append(("the eval step (batch_size rows at once)",
                   step.make_eval_step(config, objective, state_sh["params"], mesh), (state["params"], batch)))
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):   # the jits are built outside: they make arrays eagerly
+  target = layers.compiling_for("gpu" if topo.platform == "cuda" else "tpu")
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), target:   # jits built outside: they make arrays eagerly
     for what, jitted, args in steps:
       try:
         compiled = jitted.lower(*args).compile()

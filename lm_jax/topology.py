@@ -99,6 +99,8 @@ def get(name: str) -> Topology:
 
 def prepare():
   """Lets this process compile for TPU / GPU topologies on a CPU host: CPU as the only backend that runs, the CUDA
-  plugin without its CUDA-library check (it compiles; nothing runs). Call before JAX starts a backend."""
+  plugin without its CUDA-library check (it compiles; nothing runs), libtpu without its one-process lock. Call
+  before JAX starts a backend."""
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # no TPU to guard: compiles may run side by side
   jax.config.update("jax_platforms", "cpu")
