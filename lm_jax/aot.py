@@ -107,6 +107,9 @@ def compile_steps(config, topo: topology.Topology):
       try:
         compiled = jitted.lower(*args).compile()
       except Exception as e:  # noqa: BLE001 - XLA raises its own runtime error type
+        if "cuDNN not found" in str(e):
+          raise ValueError(f"model.attention='cudnn' cannot be compiled for {topo.kind} on this host: {e} (the "
+                           "compile-only CUDA plugin has no cuDNN library to lower cuDNN attention with)") from None
         oom = _out_of_memory(e, what, topo.kind, has)
         if oom is None:
           raise

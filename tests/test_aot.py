@@ -52,12 +52,17 @@ def compile_cli(*args):
 
 
 def test_tiny_families_compile_for_tpu_and_gpu_and_match_the_memory_model():
-  jobs = [(spec, name, [f.removeprefix("--config.") for f in TINY])
-          for spec in CONFIGS.values() for name in ("v4-8", "v5e-16")]
-  jobs.append((CONFIGS["gpt1"], "h100-8", [f.removeprefix("--config.") for f in TINY]))
+  tiny = [f.removeprefix("--config.") for f in TINY] + ["eval_every=0"]   # the eval step: once, the first job
+  jobs = [(spec, name, tiny) for spec in CONFIGS.values() for name in ("v4-8", "v5e-16")]
+  jobs[0] = (jobs[0][0], jobs[0][1], tiny[:-1])
+  jobs.append((CONFIGS["gpt1"], "h100-8", tiny))
+  splash = ["model.num_layers=1", "data.seq_len=128", "batch_size=16", "model.attention=splash", "eval_every=0"]
+  jobs += [(CONFIGS["gpt1"], "v5e-16", splash), (CONFIGS["bert"], "v4-8", [*splash, "mesh.tensor=2"])]
   result = aot("-c", DRIVER, json.dumps(jobs))
   assert result.returncode == 0, result.stderr[-3000:]
   out = json.loads(result.stdout.split("JSON", 1)[1])
+  assert [o["report"]["attention"] for o in out[-2:]] == ["splash", "splash"]
+  assert out[0]["report"]["memory_per_device"]["eval_total"] > 0
   kinds = {o["topology"]: o["report"]["device_kind"] for o in out}
   assert kinds == {"v4-8": "TPU v4", "v5e-16": "TPU v5 lite", "h100-8": "NVIDIA H100 80GB HBM3"}
   for o in out:
@@ -68,7 +73,7 @@ def test_tiny_families_compile_for_tpu_and_gpu_and_match_the_memory_model():
     assert m["total"] >= m["arguments"] + m["temporaries"] + m["code"]
     assert r["step_seconds"] == pytest.approx(r["step_seconds_at_peak"] / 0.4)
     assert r["days"] == pytest.approx(r["steps"] * r["step_seconds"] / 86400)
-    if o["topology"] == "v4-8":   # unrolled, no microbatch loop: XLA's count is ours plus the elementwise work
+    if o["topology"] == "v4-8" and r["attention"] == "xla":   # unrolled, no microbatch loop: XLA's count is ours plus the elementwise work
       assert r["flops_per_device_ours"] <= r["flops_per_device_xla"] <= 1.3 * r["flops_per_device_ours"]
 
 
@@ -94,3 +99,11 @@ def test_unknown_topology_is_one_line():
   result = compile_cli("--config=configs/gpt1.py:tiny", "--topology=v9-8")
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1].startswith("error: --topology='v9-8' unknown")
+
+
+def test_cudnn_attention_for_gpu_says_why_it_cannot_compile_here():
+  """The compile-only CUDA plugin brings no cuDNN: the cudnn kernel fails in one line that says so (docs/scale.md)."""
+  result = compile_cli("--config=configs/gpt1.py:tiny", *TINY, "--config.model.attention=cudnn", "--topology=h100-8")
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith("error: model.attention='cudnn' cannot be compiled for "
+                                                             "NVIDIA H100 80GB HBM3 on this host: cuDNN not found.")
