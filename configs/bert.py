@@ -4,6 +4,12 @@ Variants: base, large (phase 1: seq 128 for 90% of the 1M steps), base_512 / lar
 (phase 2: seq 512 for the last 10%; run it in the same --workdir after phase 1 to resume at
 step 900k with the same schedule and a fresh seq-512 data iterator), tiny / tiny_512 (a CPU model
 that trains in a minute or two; the same two phases at seq 64 then 128).
+
+Data (paper §3.1): English Wikipedia and BooksCorpus, mixed in proportion to their sizes (2,500M and 800M words:
+BERT drew documents from the two corpora put together). Wikipedia comes from TFDS; BooksCorpus has no public TFDS
+build (its books are no longer distributed), so it is read from your files: BOOKS_FILES, documents (books)
+separated by blank lines, one sentence per line, as BERT's create_pretraining_data.py reads them. Point it
+elsewhere with --config.data.mixture (README "Data mixtures").
 """
 from lm_jax import defaults
 
@@ -11,6 +17,7 @@ SIZES = {  # layers, d_model, heads, d_ff (paper §3)
     "base": (12, 768, 12, 3072),
     "large": (24, 1024, 16, 4096),
 }
+BOOKS_FILES = "~/data/bookscorpus/*.txt"   # your copy of BooksCorpus (see above)
 
 
 def get_config(arg="base"):
@@ -29,9 +36,10 @@ def get_config(arg="base"):
   m.activation = "gelu_tanh"       # the original TF code; HF checkpoints use exact "gelu"
   m.layer_norm_eps = 1e-12
 
-  c.data.tfds_name = "wikipedia/20230601.en"  # + BooksCorpus in the paper (not distributed)
-  c.data.train_split = "train[:99%]"
+  c.data.train_split = "train[:99%]"   # every source's; 1% held out for eval
   c.data.eval_split = "train[99%:]"
+  c.data.mixture = (dict(name="wikipedia", tfds_name="wikipedia/20230601.en", text_field="text", weight=2500.0),
+                    dict(name="books", files=BOOKS_FILES, weight=800.0))
   c.data.nsp = True
   c.data.seq_len = 128
   c.data.max_predictions_per_seq = 20   # create_pretraining_data.py default for 128
@@ -56,6 +64,7 @@ def get_config(arg="base"):
     c.phase_end_step = 0                 # to total_steps
 
   if size == "tiny":  # phase 1 at seq 64 for 90% of 200 steps; tiny_512 finishes at seq 128
+    c.data.mixture = ()
     defaults.tiny(c)
     m.max_positions = 128
     c.data.seq_len, c.data.max_predictions_per_seq = (128, 20) if phase else (64, 10)

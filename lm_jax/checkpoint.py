@@ -25,6 +25,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from lm_jax import metrics_log
+from lm_jax.data import mixture
 
 # Model fields that change how the model runs, not which parameters it has: free to differ on resume.
 RUNTIME_MODEL_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "remat_policy")
@@ -240,7 +241,8 @@ def data_changes(saved: dict, config) -> list[str]:
   now = _plain(config)
   old_data, new_data = saved["data"], now["data"]
   changes = [f"data.{k}: {old_data.get(k)!r} -> {new_data.get(k)!r}" for k in sorted(set(old_data) | set(new_data))
-             if k not in EVAL_DATA_FIELDS and old_data.get(k) != new_data.get(k)]
+             if k not in (*EVAL_DATA_FIELDS, "mixture") and old_data.get(k) != new_data.get(k)]
+  changes += mixture.changes(old_data.get("mixture", []), new_data.get("mixture", []))  # eval splits may change
   for k in ("batch_size", "seed"):
     if saved.get(k) != now.get(k):
       changes.append(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}")

@@ -20,7 +20,8 @@ from typing import Iterable, Mapping
 import ml_collections
 from absl import app, flags
 
-from lm_jax import checkpoint, init_from, models, objectives, optim, params, sharding
+from lm_jax import checkpoint, init_from, models, objectives, optim, params, profiling, sharding, wandb_log
+from lm_jax.data import mixture
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _PACKAGE = str(pathlib.Path(__file__).resolve().parent) + os.sep
@@ -193,6 +194,9 @@ def _validate(config, num_devices, process_count):
   params.check(config)  # what trains: freeze patterns, adapter methods, layer_decay
   init_from.check(config)  # reinit_top_layers
   checkpoint.check_best(config)  # best_metric
+  mixture.sources(config)  # data.mixture: source fields, names, weights
+  profiling.check(config)  # profile.steps
+  wandb_log.check(config)  # wandb.mode; wandb installed when wandb.project is set
   m, o = config.model, config.optimizer
   _require(o.name in optim.OPTIMIZERS, f"config.optimizer.name={o.name!r} unknown; use {', '.join(optim.OPTIMIZERS)}")
   _require(o.schedule in optim.SCHEDULES,

@@ -7,11 +7,13 @@ waits for the device. It writes the log record and console line, evaluates every
 each eval to the best-checkpoint hook), checkpoints every config.checkpoint_every steps, at the end and on SIGTERM,
 and says where a run resumed.
 
-Throughput is the steps' wall time over the window since the last log, with evaluations and saves left out. A pause
-first waits for the steps still queued on the device: their time is step time, not pause (without the wait, an
-eval's window would report the queued steps' work done in no time).
+Each train record splits its window's wall time (lm_jax.goodput): step, data wait, host overhead, eval, checkpoint and
+compilation, in {name}_s fields. Throughput is the steps' wall time over the window (data wait and compilation
+included), with evaluations, saves and the loop's own work left out. A pause first waits for the steps still queued on
+the device: their time is step time, not pause (without the wait, an eval's window would report the queued steps' work
+done in no time). config.profile traces chosen steps (lm_jax.profiling).
 
-Dependencies: checkpoint and metrics_log; the trainers (train, rlhf) build on this module.
+Dependencies: checkpoint, goodput, metrics_log, profiling; the trainers (train, rlhf) build on this module.
 """
 import contextlib
 import dataclasses
@@ -21,7 +23,7 @@ from typing import Callable
 
 import jax
 
-from lm_jax import checkpoint, metrics_log
+from lm_jax import checkpoint, goodput, metrics_log, profiling
 
 
 def say(line: str):
@@ -46,24 +48,26 @@ def resume(restored: checkpoint.Restored, directory, data_it=None, unit: str = "
 
 
 class Meter:
-  """The steps since the last log: their metrics (device arrays until fetched) and wall time, pauses left out."""
+  """The steps since the last log: their metrics (device arrays until fetched) and the window's time split."""
 
-  def __init__(self, step: int):
-    self.first_step, self.pending, self.start, self.paused = step, [], time.perf_counter(), 0.0
+  def __init__(self, step: int, ledger: goodput.Ledger, start: float | None = None):
+    self.first_step, self.pending, self.window = step, [], goodput.Window(ledger, start)
 
   def fetch(self) -> list[dict]:
     return [{k: float(v) for k, v in m.items()} for m in jax.device_get(self.pending)]
 
-  def seconds_per_step(self) -> float:
-    return (time.perf_counter() - self.start - self.paused) / len(self.pending)
+  def close(self, now: float) -> tuple[float, dict]:
+    """(seconds per step: the window's wall time less eval, checkpoint and host, its time split); once per window."""
+    split = self.window.split(now)
+    paused = sum(split[f"{k}_s"] for k in ("eval", "checkpoint", "host"))
+    return (now - self.window.start - paused) / len(self.pending), split
 
   @contextlib.contextmanager
-  def pause(self):
-    """Times the block as pause, after the queued steps have finished (they are step time)."""
+  def pause(self, what: str):
+    """Books the block as `what`, after the queued steps have finished (they are step time)."""
     jax.block_until_ready(self.pending)
-    start = time.perf_counter()
-    yield
-    self.paused += time.perf_counter() - start
+    with self.window.ledger.timing(what):
+      yield
 
 
 def check_finite(host: list[dict], first_step: int, mngr, unit: str = "step"):
@@ -84,49 +88,73 @@ class Schedules:
   log: metrics_log.MetricsLog
   record: Callable              # (host metrics of the window's steps, seconds per step) -> the log record
   save: Callable                # (step, state) -> None: the step's checkpoint(s)
+  ledger: goodput.Ledger        # the trainer's time, from its start: run() books the loop's part
   data_state: Callable = dict   # () -> the data position the best checkpoint keeps
   evaluate: Callable | None = None   # state -> eval record
   best: checkpoint.Best | None = None
   unit: str = "step"            # what the messages count: step, iteration
+  tokens_per_step: int = 0      # > 0: train records count the run's tokens so far in `tokens`
 
 
 def run(s: Schedules, step: Callable, state, start: int, end: int) -> tuple[object, dict]:
   """state, metrics = step(state, i) for i = start+1 .. end on the schedules -> (state, {'step', 'train': last log
   record, 'eval': last eval record})."""
-  c, unit = s.config, s.unit
-  result, meter = {"step": start, "train": None, "eval": None}, Meter(start)
+  c, unit, ledger = s.config, s.unit, s.ledger
+  result, meter = {"step": start, "train": None, "eval": None}, Meter(start, ledger)
+  profiler = profiling.Profiler(c, s.log.workdir)
   if start >= end:
     say(f"nothing to do: checkpoint {unit} {start} >= end {unit} {end}")
   with checkpoint.Preemption() as preemption:
     for i in range(start + 1, end + 1):
-      state, metrics = step(state, i)
-      checkpoint.check_save(s.mngr)   # a background save that failed stops the run now, in one line
+      with profiler.step(i):
+        state, metrics = step(state, i)
       meter.pending.append(metrics)
       last, log_now = i == end, i % c.log_every == 0 or i == end or i == 1  # step 1: loss right after compiling
-      stop = preemption.any_process() if (log_now or jax.process_count() == 1) else False
+      if profiler.ends(i):
+        jax.block_until_ready(state)   # the range's device work is in the trace (and is step time)
+        with ledger.timing("host"):
+          profiler.stop()
+      with ledger.timing("host"):
+        checkpoint.check_save(s.mngr)   # a background save that failed stops the run now, in one line
+        stop = preemption.any_process() if (log_now or jax.process_count() == 1) else False
       if log_now:
-        host, seconds = meter.fetch(), meter.seconds_per_step()
-        check_finite(host, meter.first_step, s.mngr, unit)
-        result["train"] = {"step": i, **s.record(host, seconds)}
-        s.log.write(result["train"])
-        say(metrics_log.console(result["train"], end, seconds))
-        meter = Meter(i)
+        host, now = meter.fetch(), time.perf_counter()
+        seconds, split = meter.close(now)
+        meter = Meter(i, ledger, now)
+        with ledger.timing("host"):
+          check_finite(host, i - len(host), s.mngr, unit)
+          tokens = {"tokens": i * s.tokens_per_step} if s.tokens_per_step else {}
+          result["train"] = {"step": i, **s.record(host, seconds), **tokens, **split}
+          s.log.write(result["train"])
+          say(metrics_log.console(result["train"], end, seconds))
       evaluate_now = s.evaluate is not None and (i % c.eval_every == 0 or last)
       save_now = i % c.checkpoint_every == 0 or last or stop
-      if evaluate_now or save_now:
-        with meter.pause():
-          if evaluate_now:
-            result["eval"] = _evaluate(s, state, i, end)
-          if save_now:
-            check_finite(meter.fetch(), meter.first_step, s.mngr, unit)
-            s.save(i, state)
+      if evaluate_now:
+        with meter.pause("eval"):
+          result["eval"] = _evaluate(s, state, i, end)
+      if save_now:
+        check_finite(meter.fetch(), meter.first_step, s.mngr, unit)
+        with meter.pause("checkpoint"):
+          s.save(i, state)
       result["step"] = i
       if stop:
         say(f"SIGTERM: saved {unit} {i}, exiting")
         break
+  if profiler.tracing:   # the run ended inside the profiled range
+    jax.block_until_ready(state)
+    with ledger.timing("host"):
+      profiler.stop()
+  meter.window.split(time.perf_counter())   # the last window's step time, for the goodput line
   if s.best:
     s.best.close()
   return state, result
+
+
+def finish(log: metrics_log.MetricsLog, ledger: goodput.Ledger):
+  """Ends a trainer's run: the goodput line on the console, its numbers in W&B's summary, the log closed."""
+  summary = ledger.summary()
+  say(goodput.line(summary))
+  log.close(summary)
 
 
 def _evaluate(s: Schedules, state, i: int, end: int) -> dict:

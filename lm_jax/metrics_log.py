@@ -1,5 +1,5 @@
-"""workdir/metrics.jsonl (one JSON object per line), TensorBoard events (tensorboardX, no TensorFlow) and the
-console line. Only process 0 writes.
+"""workdir/metrics.jsonl (one JSON object per line), TensorBoard events (tensorboardX, no TensorFlow), Weights &
+Biases with config.wandb.project (lm_jax.wandb_log) and the console line. Only process 0 writes.
 
 On resume the file is cut back to the restored step, so an interrupted-and-resumed run leaves exactly the
 records of an uninterrupted one (wall-clock fields such as tokens_per_sec aside). Workdirs may be remote
@@ -19,7 +19,10 @@ import jax
 from absl import logging as absl_logging
 from etils import epath
 
-WALL_CLOCK = ("tokens_per_sec", "mfu")  # fields that depend on timing, not on the computation
+from lm_jax import goodput, wandb_log
+
+TIME_SPLIT = tuple(f"{k}_s" for k in goodput.SPLIT)   # a train record's time split (lm_jax.loop)
+WALL_CLOCK = ("tokens_per_sec", "mfu", *TIME_SPLIT)    # fields that depend on timing, not on the computation
 
 
 def warn(message: str):
@@ -69,13 +72,15 @@ def read(path) -> list[dict]:
 
 
 class MetricsLog:
+  """The run's records from resume_step on; with a config whose wandb.project is set, in W&B as well."""
 
-  def __init__(self, workdir: str, resume_step: int, tensorboard: bool = True):
+  def __init__(self, workdir: str, resume_step: int, tensorboard: bool = True, config=None):
+    self.workdir = workdir
     self.path = epath.Path(workdir) / "metrics.jsonl"
     self.remote = "://" in str(workdir)
     self.active = jax.process_index() == 0
     self.writable = self.active
-    self.tb = None
+    self.tb = self.wandb = None
     self.records = []
     if not self.active:
       return
@@ -85,6 +90,8 @@ class MetricsLog:
     if tensorboard:
       from tensorboardX import SummaryWriter
       self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
+    if config is not None and config.wandb.project:
+      self.wandb = wandb_log.start(config, workdir)
 
   def _rewrite(self):
     text = "".join(json.dumps(r) + "\n" for r in self.records)
@@ -122,19 +129,29 @@ class MetricsLog:
         if k != "step":
           self.tb.add_scalar(k, v, record["step"])
       self.tb.flush()
+    if self.wandb:
+      self.wandb.log(record)
 
-  def close(self):
+  def close(self, goodput_summary: dict | None = None):
+    """Closes TensorBoard's writer and the W&B run, whose summary keeps the goodput numbers as goodput/..."""
     if self.tb:
       self.tb.close()
+    if self.wandb:
+      summary = goodput_summary or {}
+      self.wandb.summary.update({k if k == "goodput" else f"goodput/{k}": v for k, v in summary.items()})
+      self.wandb.finish()
 
 
 def console(record: dict, total_steps: int, seconds_per_step: float | None = None) -> str:
-  """'step 120/200 | loss 4.1234 | lr 1.0e-03 | ...' for a train or eval record."""
+  """'step 120/200 | loss 4.1234 | lr 1.0e-03 | ... | time step 91% data 6% | eta 0:01:02' for a train or eval
+  record; the time split shows its parts of 1% or more."""
   parts = [f"step {record['step']}/{total_steps}"]
   for k, v in record.items():
-    if k == "step":
+    if k == "step" or k in TIME_SPLIT:
       continue
-    if k == "tokens_per_sec":
+    if k == "tokens":
+      parts.append(f"{v:,} tokens")
+    elif k == "tokens_per_sec":
       parts.append(f"{v:,.0f} tok/s")
     elif k == "mfu":
       parts.append(f"mfu {100 * v:.1f}%")
@@ -142,6 +159,10 @@ def console(record: dict, total_steps: int, seconds_per_step: float | None = Non
       parts.append(f"{k} {v:.3g}")
     else:
       parts.append(f"{k} {v:.4f}")
+  split = {k.removesuffix("_s"): record[k] for k in TIME_SPLIT if k in record}
+  if split and sum(split.values()) > 0:
+    shares = [f"{k} {v / sum(split.values()):.0%}" for k, v in split.items() if v >= 0.01 * sum(split.values())]
+    parts.append("time " + " ".join(shares))
   if seconds_per_step is not None:
     eta = datetime.timedelta(seconds=round(seconds_per_step * (total_steps - record["step"])))
     parts.append(f"eta {eta}")

@@ -13,8 +13,8 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from lm_jax import (aot, checkpoint, config_lib, hardware, init_from, loop, memory, metrics_log, objectives,
-                    params as params_lib, predict, sharding, step)
+from lm_jax import (aot, checkpoint, config_lib, goodput, hardware, init_from, lm_eval_adapter, loop, memory,
+                    metrics_log, objectives, params as params_lib, predict, sharding, step)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.hf import export
 
@@ -40,6 +40,7 @@ def setup(config, workdir: str, devices=None) -> Setup:
   config = init_from.resolve(config)
   devices = jax.devices() if devices is None else list(devices)
   config_lib.validate(config, len(devices), jax.process_count())
+  lm_eval_adapter.check(config)
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   tokenizer = tokenizer_lib.load_or_train(config, workdir)
   mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
@@ -54,12 +55,23 @@ def _hosts(kind: str, s: Setup, **kwargs):
 
 
 def make_evaluator(s: Setup) -> Callable:
-  """params -> eval record (without step), over the eval batches, built once."""
+  """(params, step or None) -> eval record (without step), over the eval batches, built once; with
+  config.eval.lm_eval_tasks also the tasks' metrics at the steps lm_eval_adapter.due names (None: always)."""
   it = _hosts("eval", s)
   batches = list(it)
   eval_step = step.make_eval_step(s.config, s.objective, s.state_sharding["params"], s.mesh)
-  return lambda params: predict.eval_record(s.objective, predict.eval_outputs(eval_step, params, batches, s.mesh),
-                                            it.text_per_token)
+  harness = lm_eval_adapter.Harness(s.config, s.tokenizer) if s.config.eval.lm_eval_tasks else None
+
+  def evaluate(params, i=None):
+    outputs = predict.eval_outputs(eval_step, params, batches, s.mesh)
+    record = predict.eval_record(s.objective, outputs, it.text_per_token)
+    for name, (part, per_token) in it.sources.items():   # a data mixture: each source's metrics too
+      own = predict.eval_record(s.objective, outputs[part], per_token)
+      record.update({f"eval_{name}_{k.removeprefix('eval_')}": v for k, v in own.items()})
+    if harness and (i is None or lm_eval_adapter.due(s.config, i)):
+      record.update(harness(params))
+    return record
+  return evaluate
 
 
 def _init_or_restore(s: Setup, mngr, train_it):
@@ -89,7 +101,7 @@ def _record(s: Setup, peak: float) -> Callable:
   return record
 
 
-def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]:
+def _loop(s: Setup, state, start: int, mngr, train_it, log, ledger) -> tuple[dict, dict]:
   """Steps start+1 .. end on the log / eval / checkpoint / preemption schedules (lm_jax.loop)."""
   c = s.config
   train_step = compile_train_step(s)
@@ -100,9 +112,12 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log) -> tuple[dict, dict]
   data_state = lambda: checkpoint.data_state(train_it)
   schedules = loop.Schedules(
       c, mngr, log, _record(s, peak), save=lambda i, state: checkpoint.save(mngr, i, state, data_state(), c),
-      data_state=data_state, evaluate=(lambda state: evaluator(state["params"])) if evaluator else None,
+      ledger=ledger, data_state=data_state,
+      evaluate=(lambda state: evaluator(state["params"], int(state["step"]))) if evaluator else None,
+      tokens_per_step=c.batch_size * s.objective.tokens_per_example(c),
       best=checkpoint.Best(str(mngr.directory.parent), c) if evaluator and c.finetune.best_metric else None)
-  train_one = lambda state, i: train_step(state, sharding.global_batch(next(train_it), batch_sh))
+  batches = ledger.waited(train_it)   # the time in next() is the data wait
+  train_one = lambda state, i: train_step(state, sharding.global_batch(next(batches), batch_sh))
   return loop.run(schedules, train_one, state, start, c.phase_end_step or c.total_steps)
 
 
@@ -125,18 +140,21 @@ def train(config, workdir: str, *, devices=None) -> dict:
   if objectives.get(config.objective).rollouts:
     raise ValueError(f"config.objective={config.objective!r} trains on rollouts: lm_jax.rlhf.ppo.train runs it "
                      "(python -m lm_jax.main picks it)")
+  ledger = goodput.Ledger()
   s = setup(config, workdir, devices)
   trainable, total = params_lib.count(s.config)
   loop.say(f"parameters: {trainable:,} trainable of {total:,}")
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
   train_it = _hosts("train", s)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-    state, start = _init_or_restore(s, mngr, train_it)
-    log = metrics_log.MetricsLog(workdir, start)
-    state, result = _loop(s, state, start, mngr, train_it, log)
-    checkpoint.finish(mngr)
+    with ledger.timing("restore"):
+      state, start = _init_or_restore(s, mngr, train_it)
+    log = metrics_log.MetricsLog(workdir, start, config=s.config)
+    state, result = _loop(s, state, start, mngr, train_it, log, ledger)
+    with ledger.timing("checkpoint"):
+      checkpoint.finish(mngr)
     mngr.close()
-    log.close()
+    loop.finish(log, ledger)
     train_it.close()
   return {**result, "state": state}
 

@@ -1,10 +1,18 @@
-"""The loop's schedules: the steps queued on the device before an eval are timed as steps, not as the eval's pause."""
+"""The loop's schedules: the steps queued on the device before an eval are timed as steps, not as the eval's pause;
+each record's time split and the goodput line; profile traces of chosen steps."""
+import collections
+import contextlib
+import io
+import re
 import time
 
+import jax
 import numpy as np
+import pytest
 
-from lm_jax import train
-from conftest import load_config, records
+from lm_jax import config_lib, metrics_log, train
+from lm_jax.data import pipeline
+from conftest import REPO, load_config, records
 
 
 def test_a_slow_eval_does_not_inflate_its_windows_throughput(shared_data, tmp_path, monkeypatch):
@@ -12,7 +20,7 @@ def test_a_slow_eval_does_not_inflate_its_windows_throughput(shared_data, tmp_pa
   neighbours (2-10, 21-30) within 2x (a loaded, shared CPU): the steps 11-19 still queued when the eval starts ran
   during its sleep, and they count as steps. Timing from the eval's call, the window would report them as free."""
   def slow_evaluator(s):
-    def run(params):
+    def run(params, step):
       time.sleep(3)
       return {"eval_loss": 1.0}
     return run
@@ -24,3 +32,90 @@ def test_a_slow_eval_does_not_inflate_its_windows_throughput(shared_data, tmp_pa
   speed = {r["step"]: r["tokens_per_sec"] for r in records(tmp_path)}
   neighbours = np.sqrt(speed[10] * speed[30])
   assert 0.5 < speed[20] / neighbours < 2, speed
+
+
+# ------------------------------------------------------------------- where the time goes; profile traces
+SLEEP = 0.2   # seconds the slow data source takes per batch
+
+
+class _SlowBatches:
+  """A training iterator whose batches take SLEEP seconds each (a slow input pipeline)."""
+
+  def __init__(self, it):
+    self.it = it
+
+  def __getattr__(self, name):
+    return getattr(self.it, name)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    time.sleep(SLEEP)
+    return next(self.it)
+
+
+@pytest.fixture(scope="module")
+def slow_run(shared_data, tmp_path_factory):
+  """(workdir, console output) of 12 tiny steps on a slow data source, logging every 6, evaluating and saving at 6
+  and 12, with steps 3-4 profiled (with the host's Python calls)."""
+  workdir = tmp_path_factory.mktemp("slow")
+  config = load_config("clm", shared_data, total_steps=12, log_every=6, eval_every=6, checkpoint_every=6,
+                       **{"profile.steps": (3, 2), "profile.host": True})
+  make = pipeline.make_train_iterator
+  with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as out:
+    patch.setattr(pipeline, "make_train_iterator", lambda *a, **k: _SlowBatches(make(*a, **k)))
+    train.train(config, str(workdir))
+  return workdir, out.getvalue()
+
+
+def test_the_time_split_shows_the_data_wait(slow_run):
+  """Each train record splits its window: steps 7-12 waited 6 x SLEEP for data (the time in next()), and their
+  window also holds step 6's eval (with the eval step's compilation) and save; the console line shows the shares, and
+  the run ends with the goodput line."""
+  workdir, out = slow_run
+  recs = {r["step"]: r for r in records(workdir)}
+  assert sorted(recs) == [1, 6, 12]
+  last = recs[12]
+  assert 6 * SLEEP <= last["data_s"] < 6 * SLEEP + 3.0, last   # + the real pipeline's waits on a loaded machine
+  assert last["data_s"] > last["step_s"] and last["eval_s"] > 0 and last["checkpoint_s"] > 0, last
+  assert recs[1]["compile_s"] > 0 and last["compile_s"] > 0    # the train step's, then the eval step's
+  assert all(r[k] >= 0 for r in recs.values() for k in metrics_log.TIME_SPLIT), recs
+  assert last["tokens"] == 12 * 8 * 32    # steps x batch x seq_len
+  line = next(l for l in out.splitlines() if l.startswith("step 12/12 | loss"))
+  assert re.search(r"\| 3,072 tokens \| time (\w+ \d+% )*data \d+% .*\| eta ", line), line
+  summary = out.splitlines()[-1]
+  assert summary.startswith("goodput ") and " wall | step " in summary, out[-2000:]
+  for part in ("compile", "data", "eval", "checkpoint", "restore", "setup"):
+    assert f"| {part} " in summary, summary
+  share = float(summary.split()[1].rstrip("%"))
+  assert 0 < share < 50, summary   # compiling and waiting for data took most of this run
+
+
+def test_a_profiled_run_leaves_a_trace_of_its_steps(slow_run):
+  """config.profile.steps = (3, 2): WORKDIR/profile holds the session TensorBoard's profile plugin lists, its
+  .xplane.pb (read here with jaxlib's reader of the same proto) holds the train step's XLA ops, the step markers of
+  steps 3 and 4 only, the data waits and (config.profile.host) the input pipeline's Python calls; Perfetto's trace
+  lies beside it."""
+  workdir, _ = slow_run
+  session = workdir / "profile" / "plugins" / "profile" / "steps_3-4"
+  xplanes = list(session.glob("*.xplane.pb"))
+  assert len(xplanes) == 1 and (session / "perfetto_trace.json.gz").is_file(), list(session.iterdir())
+  data_files = tuple(f"${p.name}:" for p in (REPO / "lm_jax" / "data").glob("*.py"))   # Python events: $file:line
+  modules, steps, waits, pipeline_calls = collections.Counter(), set(), 0, 0
+  for plane in jax.profiler.ProfileData.from_file(str(xplanes[0])).planes:
+    for line in plane.lines:
+      for event in line.events:
+        stats = dict(event.stats)
+        modules[stats.get("hlo_module")] += "hlo_op" in stats
+        steps |= {stats["step_num"]} if event.name == "train" and "step_num" in stats else set()
+        waits += event.name == "data_wait"
+        pipeline_calls += event.name.startswith(data_files)
+  assert modules["jit_step"] > 0, modules   # lm_jax.step.make_train_step's jitted `step`
+  assert steps == {3, 4} and waits == 2 and pipeline_calls > 0, (steps, waits, pipeline_calls)
+
+
+def test_profile_steps_must_be_a_start_and_a_count(shared_data):
+  config = load_config("clm", shared_data, **{"profile.steps": (0, 2)})
+  with pytest.raises(config_lib.ConfigError, match=r"^config.profile.steps=\(0, 2\): want \(first step, number of"):
+    config_lib.validate(config, 1)

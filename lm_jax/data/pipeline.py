@@ -13,7 +13,12 @@ Inside a shard the documents are visited in a new grain shuffle each epoch; rows
 `window_rows` from a cursor and shuffled within the window. A shard's state (epoch, window, cursor at the
 window start, rows used) is a small JSON dict; restoring rebuilds the window from its cursor and skips the
 used rows, so a resumed run sees exactly the batches it would have seen.
+
+With config.data.mixture (data/mixture.py) every shard is a MixedStream: the same shard of each source, its rows
+drawn among them by weight; its state holds every source's shard state and the rows each source has given. Each
+source's eval split is evaluated on its own too (EvalBatches.sources).
 """
+import collections
 import queue
 import threading
 
@@ -22,6 +27,7 @@ import numpy as np
 from absl import logging
 
 from lm_jax.data import corpus as corpus_lib
+from lm_jax.data import mixture as mixture_lib
 from lm_jax.data import rows as rows_lib
 from lm_jax.data import sources
 
@@ -65,7 +71,12 @@ class ShardStream:
     self.state = dict(epoch=state["epoch"], window=state["window"], cursor=list(state["cursor"]), row=state["row"])
     self._win = None
 
-  def take(self, n: int) -> dict:
+  def snapshot(self) -> dict:
+    return dict(self.state, cursor=list(self.state["cursor"]))
+
+  def take(self, n: int, batch_index: int = 0) -> dict:
+    """The next n rows (batch_index: what a MixedStream draws its sources by; one source takes them in order)."""
+    del batch_index
     parts, s = [], self.state
     while n:
       if self._win is None:
@@ -109,6 +120,43 @@ class ShardStream:
     s["epoch"], s["window"], s["cursor"], s["row"] = s["epoch"] + 1, 0, [0, 0], 0
 
 
+class MixedStream:
+  """One shard of a data mixture: the rows of each batch drawn among the sources' ShardStreams by weight
+  (mixture.draw) and kept in the drawn order. `rows_taken` counts each source's rows so far."""
+
+  def __init__(self, streams: dict, probabilities, *, seed: int, shard: int):
+    self.streams, self.shard, self._p, self._seed = streams, shard, probabilities, seed
+    self.rows_taken = dict.fromkeys(streams, 0)
+
+  def snapshot(self) -> dict:
+    return {"rows": dict(self.rows_taken), "sources": {name: s.snapshot() for name, s in self.streams.items()}}
+
+  def reset(self, state: dict):
+    missing = [name for name in self.streams if name not in state.get("sources", {})]
+    if missing:
+      raise ValueError(f"data iterator state has no position for mixture source(s) {', '.join(missing)} in data "
+                       f"shard {self.shard}")
+    for name, s in self.streams.items():
+      s.reset(state["sources"][name])
+    self.rows_taken = dict(state["rows"])
+
+  def take(self, n: int, batch_index: int) -> dict:
+    which = mixture_lib.draw(self._p, n, seed=self._seed, shard=self.shard, batch_index=batch_index)
+    parts = []
+    for j, (name, s) in enumerate(self.streams.items()):
+      k = int((which == j).sum())
+      if k:
+        parts.append(s.take(k))
+        self.rows_taken[name] += k
+    grouped = _concat(parts)                 # the rows by source; put back in the drawn order
+    return _take(grouped, np.argsort(np.argsort(which, kind="stable"), kind="stable"))
+
+
+def _parts(stream) -> list:
+  """The ShardStreams of a shard: itself, or a mixture's one per source."""
+  return list(stream.streams.values()) if isinstance(stream, MixedStream) else [stream]
+
+
 def _warn_if_thin(stream: ShardStream, rows_per_batch: int):
   """After the first epoch's first window: say so when rows are mostly padding or an epoch is smaller than a
   batch (the same rows then repeat inside every batch)."""
@@ -126,8 +174,9 @@ class TrainIterator:
   """Endless local batches (this host's slice of each global batch); get_state() / set_state() for
   checkpoints; a thread prepares batches ahead."""
 
-  def __init__(self, streams: list, transform, *, seed: int, rows_per_shard: int, local: slice, prefetch: int = 2):
-    self._streams, self._transform, self._seed = streams, transform, seed
+  def __init__(self, streams: list, corpora: list, transform, *, seed: int, rows_per_shard: int, local: slice,
+               prefetch: int = 2):
+    self._streams, self._corpora, self._transform, self._seed = streams, corpora, transform, seed
     self._rows_per_shard, self._local, self._prefetch = rows_per_shard, local, prefetch
     self._batch_index = 0
     self._consumed = self._snapshot()
@@ -138,9 +187,12 @@ class TrainIterator:
   @property
   def stats(self) -> dict:
     """Bad records skipped so far (each counted once), tokens dropped at epoch ends, invalid UTF-8 replaced."""
-    corpus = self._streams[0].rows.corpus
-    return {**corpus.stats, "dropped_tokens": sum(s.rows.dropped_tokens for s in self._streams),
-            **corpus.docs.decode_stats}
+    counts, decoded = collections.Counter(), collections.Counter()
+    for corpus in self._corpora:         # a mixture's sources add up
+      counts.update(corpus.stats)
+      decoded.update(corpus.docs.decode_stats)
+    dropped = sum(p.rows.dropped_tokens for s in self._streams for p in _parts(s))
+    return {**counts, "dropped_tokens": dropped, **decoded}
 
   def __iter__(self):
     return self
@@ -160,7 +212,8 @@ class TrainIterator:
 
   def get_state(self) -> dict:
     """JSON-serialisable position after the last batch returned: the batch index and the state of the
-    shards this host reads (checkpoint.data_state merges every host's shards)."""
+    shards this host reads (checkpoint.data_state merges every host's shards); a mixture's shard state holds
+    every source's."""
     return {"batch_index": self._consumed["batch_index"], "shards": dict(self._consumed["shards"])}
 
   def set_state(self, state: dict):
@@ -179,16 +232,17 @@ class TrainIterator:
   # -- producer side: everything below runs on the prefetch thread (or inline without prefetch)
   def _snapshot(self) -> dict:
     return {"batch_index": self._batch_index,
-            "shards": {str(s.shard): dict(s.state, cursor=list(s.state["cursor"])) for s in self._streams}}
+            "shards": {str(s.shard): s.snapshot() for s in self._streams}}
 
   def _produce(self):
     parts = []
     for s in self._streams:
-      rows = s.take(self._rows_per_shard)
+      rows = s.take(self._rows_per_shard, self._batch_index)
       parts.append(self._transform(rows, np.random.default_rng([self._seed, s.shard, self._batch_index])))
     if not self._checked:
       for s in self._streams:
-        _warn_if_thin(s, self._rows_per_shard)
+        for p in _parts(s):
+          _warn_if_thin(p, self._rows_per_shard)
       self._checked = True
     self._batch_index += 1
     return _take(_concat(parts), self._local), self._snapshot()
@@ -226,10 +280,12 @@ class TrainIterator:
 
 class EvalBatches:
   """A finite, re-iterable list of local eval batches; .text_per_token {'bytes', 'chars'} of the eval text, for
-  bits per byte and per character."""
+  bits per byte and per character. A mixture's batches are those of every source in turn: .sources maps each
+  source's name to (its slice of the batches, its text_per_token)."""
 
-  def __init__(self, batches, text_per_token: dict, stats):
+  def __init__(self, batches, text_per_token: dict, stats, sources: dict | None = None):
     self._batches, self.text_per_token, self.stats = batches, text_per_token, stats
+    self.sources = sources or {}
 
   def __len__(self):
     return len(self._batches)
@@ -238,12 +294,15 @@ class EvalBatches:
     return iter(self._batches)
 
 
-def _corpus(config, split: str, layout, tokenizer):
-  """The tokenized split: the layout's own corpus (task examples) or config.data's documents; both count what they
-  skip in a records.Tally (.tally, .stats)."""
+def _corpus(config, split: str, layout, tokenizer, source: mixture_lib.Source | None = None):
+  """The tokenized split: the layout's own corpus (task examples) or config.data's documents (or a mixture
+  source's); both count what they skip in a records.Tally (.tally, .stats)."""
   if getattr(layout, "corpus", None):
+    if source is not None:
+      raise ValueError(f"config.data.mixture mixes pre-training text; objective {config.objective!r} reads its "
+                       "examples from config.task: clear the mixture")
     return layout.corpus(split)
-  docs = sources.documents(config, split)
+  docs = sources.documents(config, split, source)
   return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
 
 
@@ -255,9 +314,15 @@ def _local_rows(config, process_index: int, process_count: int) -> slice:
   return slice(process_index * local, (process_index + 1) * local)
 
 
+def _shard_stream(config, layout, corpus, k: int, seed: int, window_rows: int) -> ShardStream:
+  order = shard_order(len(corpus), seed=seed, shuffle=config.data.shuffle, shard=k, shards=config.data.shards)
+  rows = rows_lib.ShardRows(layout, corpus, order, seed=seed, shard=k)
+  return ShardStream(rows, seed=seed, shard=k, shuffle=config.data.shuffle, window_rows=window_rows)
+
+
 def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0, process_count: int = 1,
                         window_rows: int = WINDOW_ROWS, prefetch: int = 2) -> TrainIterator:
-  """Endless batches: this host's slice of the global stream of config.data.train_split."""
+  """Endless batches: this host's slice of the global stream of config.data.train_split (or of the mixture)."""
   d, shards = config.data, config.data.shards
   if shards < 1 or config.batch_size % shards:
     raise ValueError(f"config.data.shards={shards} must be >= 1 and divide config.batch_size={config.batch_size}")
@@ -265,16 +330,22 @@ def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0,
   local = _local_rows(config, process_index, process_count)
   first, last = local.start // rows_per_shard, (local.stop - 1) // rows_per_shard
   layout = objective.rows(config, tokenizer)
-  corpus = _corpus(config, d.train_split, layout, tokenizer)
-  if len(corpus) < shards:
-    raise ValueError(f"{corpus.path}: {len(corpus)} documents cannot fill config.data.shards={shards} shards")
-  streams = []
-  for k in range(first, last + 1):
-    order = shard_order(len(corpus), seed=config.seed, shuffle=d.shuffle, shard=k, shards=shards)
-    rows = rows_lib.ShardRows(layout, corpus, order, seed=config.seed, shard=k)
-    streams.append(ShardStream(rows, seed=config.seed, shard=k, shuffle=d.shuffle, window_rows=window_rows))
+  mixture = mixture_lib.sources(config)
+  corpora = {s.name: _corpus(config, s.train_split, layout, tokenizer, s) for s in mixture} or {
+      "": _corpus(config, d.train_split, layout, tokenizer)}
+  for corpus in corpora.values():
+    if len(corpus) < shards:
+      raise ValueError(f"{corpus.path}: {len(corpus)} documents cannot fill config.data.shards={shards} shards")
+  if mixture:
+    probabilities = mixture_lib.weights(mixture)
+    streams = [MixedStream({s.name: _shard_stream(config, layout, corpora[s.name], k,
+                                                  mixture_lib.source_seed(config.seed, s), window_rows)
+                            for s in mixture}, probabilities, seed=config.seed, shard=k)
+               for k in range(first, last + 1)]
+  else:
+    streams = [_shard_stream(config, layout, corpora[""], k, config.seed, window_rows) for k in range(first, last + 1)]
   offset = first * rows_per_shard
-  return TrainIterator(streams, objective.transform(config, tokenizer), seed=config.seed,
+  return TrainIterator(streams, list(corpora.values()), objective.transform(config, tokenizer), seed=config.seed,
                        rows_per_shard=rows_per_shard, local=slice(local.start - offset, local.stop - offset),
                        prefetch=prefetch)
 
@@ -283,10 +354,34 @@ def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,
                        process_count: int = 1) -> EvalBatches:
   """config.data.eval_batches global batches of config.data.eval_split from its start (no shuffle; 0 = every
   complete batch of the split), the same on every run and for any number of hosts; each host keeps its slice.
-  A layout with `padding` fills the last batch with rows that count in no metric, so every row is evaluated."""
+  A layout with `padding` fills the last batch with rows that count in no metric, so every row is evaluated.
+  A mixture evaluates that many batches of each source's eval_split, one source after the other."""
   local = _local_rows(config, process_index, process_count)
-  layout = objective.rows(config, tokenizer)
-  corpus = _corpus(config, config.data.eval_split, layout, tokenizer)
+  layout, transform = objective.rows(config, tokenizer), objective.transform(config, tokenizer)
+  mixture = mixture_lib.sources(config)
+  if not mixture:
+    corpus = _corpus(config, config.data.eval_split, layout, tokenizer)
+    return EvalBatches(_eval_batches(config, corpus, layout, transform, local), _text_per_token([corpus]), corpus.stats)
+  batches, parts, corpora = [], {}, []
+  for s in mixture:
+    corpus = _corpus(config, s.eval_split, layout, tokenizer, s)
+    found = _eval_batches(config, corpus, layout, transform, local)
+    parts[s.name] = (slice(len(batches), len(batches) + len(found)), _text_per_token([corpus]))
+    batches += found
+    corpora.append(corpus)
+  stats = collections.Counter()
+  for corpus in corpora:
+    stats.update(corpus.stats)
+  return EvalBatches(batches, _text_per_token(corpora), dict(stats), parts)
+
+
+def _text_per_token(corpora: list) -> dict:
+  tokens = max(sum(c.tokens_count for c in corpora), 1)
+  return {"bytes": sum(c.bytes for c in corpora) / tokens, "chars": sum(c.chars for c in corpora) / tokens}
+
+
+def _eval_batches(config, corpus, layout, transform, local: slice) -> list:
+  """This host's slices of the eval batches of one corpus."""
   source = rows_lib.ShardRows(layout, corpus, grain.MapDataset.range(len(corpus)), seed=config.seed, shard=0)
   rows, _ = source.window(0, (0, 0), config.data.eval_batches * config.batch_size or _WHOLE_SPLIT)
   left = _num_rows(rows) % config.batch_size
@@ -304,10 +399,8 @@ def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,
                      + (f"; {corpus.tally.report()}" if corpus.tally.report() else ""))
   if corpus.tally.report():
     logging.warning("data: eval: %s", corpus.tally.report())
-  transform = objective.transform(config, tokenizer)
   batches = []
   for b in range(n_batches):
     global_rows = _take(rows, slice(b * config.batch_size, (b + 1) * config.batch_size))
     batches.append(_take(transform(global_rows, np.random.default_rng([config.seed, b, 1])), local))
-  per_token = {"bytes": corpus.bytes / max(corpus.tokens_count, 1), "chars": corpus.chars / max(corpus.tokens_count, 1)}
-  return EvalBatches(batches, per_token, corpus.stats)
+  return batches

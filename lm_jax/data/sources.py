@@ -1,18 +1,27 @@
-"""Pre-training text: the documents of config.data (its files, or TFDS dataset tfds_name) through the one record
-reader (lm_jax/data/records.py: formats, split names and slices, bad records, invalid UTF-8).
+"""Pre-training text: the documents of config.data (its files, or TFDS dataset tfds_name), or of one source of
+config.data.mixture (data/mixture.py), through the one record reader (lm_jax/data/records.py: formats, split names
+and slices, bad records, invalid UTF-8).
 
 `documents(config, split)` returns a random-access sequence; item i is the text of document i (config.data.text_field
 of a .jsonl / .tsv record or a TFDS feature; a .txt document), or a `records.Bad` for a record that is not usable
 text (counted and skipped by the pipeline, never fatal).
 """
-from lm_jax.data import records
+from lm_jax.data import mixture as mixture_lib
+from lm_jax.data import records, tfds_prepare
 
 
-def documents(config, split: str) -> records.Records:
-  """The documents of `split` (e.g. config.data.train_split) from config.data.files or TFDS."""
+def documents(config, split: str, source: mixture_lib.Source | None = None) -> records.Records:
+  """The documents of `split` (e.g. config.data.train_split) from config.data.files or TFDS, or from `source`."""
   d = config.data
+  if source is not None:
+    if source.tfds_name:      # an unknown name is an error naming the source's field, not config.data.tfds_name
+      tfds_prepare.known_builder(source.tfds_name, d.tfds_data_dir, f"{source.field}.tfds_name")
+    return records.read(split, source.text_field, files=source.files, tfds_name=source.tfds_name,
+                        tfds_data_dir=d.tfds_data_dir, documents=True,
+                        origin=f"{source.field}.{'files' if source.files else 'tfds_name'}",
+                        named_by=f"{source.field}.text_field")
   if not d.files and not d.tfds_name:
-    raise ValueError("config.data: set files (a glob of your text) or tfds_name (a TFDS dataset)")
+    raise ValueError("config.data: set files (a glob of your text), tfds_name (a TFDS dataset) or mixture (several)")
   return records.read(split, d.text_field, files=d.files, tfds_name=d.tfds_name, tfds_data_dir=d.tfds_data_dir,
                       documents=True, origin="config.data.files" if d.files else "config.data.tfds_name",
                       named_by="config.data.text_field")
@@ -21,9 +30,19 @@ def documents(config, split: str) -> records.Records:
 def training_text(config, max_chars: int) -> list[str]:
   """Lines of an evenly spaced sample of the training documents, max_chars in all (the same on every host).
 
-  Lines are whole however long (tokenizer.train cuts them to SentencePiece's sentence limit).
+  A mixture's sample takes from each source its weight's share of max_chars, so the tokenizer learns the text in
+  the proportions the model trains on. Lines are whole however long (tokenizer.train cuts them to SentencePiece's
+  sentence limit).
   """
-  docs = documents(config, config.data.train_split)
+  mixture = mixture_lib.sources(config)
+  if not mixture:
+    return _sample(documents(config, config.data.train_split), max_chars)
+  shares = mixture_lib.weights(mixture)
+  return [line for s, share in zip(mixture, shares)
+          for line in _sample(documents(config, s.train_split, s), max(1, int(share * max_chars)))]
+
+
+def _sample(docs: records.Records, max_chars: int) -> list[str]:
   step = max(1, len(docs) // 20_000)
   lines, total = [], 0
   for i in range(0, len(docs), step):

@@ -26,10 +26,7 @@ def prepare_tfds(name: str, data_dir: str = "", manual_dir: str = ""):
   (default <data_dir>/downloads/manual).
   """
   import tensorflow_datasets as tfds
-  try:
-    builder = tfds.builder(name, data_dir=data_dir or None)
-  except tfds.core.registered.DatasetNotFoundError as e:
-    raise ValueError(f"config.data.tfds_name: unknown TFDS dataset {name!r}") from e
+  builder = known_builder(name, data_dir)
   if builder.is_prepared():
     return builder
   config = tfds.download.DownloadConfig(manual_dir=manual_dir or None)
@@ -42,6 +39,15 @@ def prepare_tfds(name: str, data_dir: str = "", manual_dir: str = ""):
     raise ImportError(f"building TFDS {name} needs TensorFlow ({e}); pip install tensorflow-cpu, or prepare "
                       f"it elsewhere with file_format='array_record' into {builder.data_dir}") from e
   return tfds.builder(name, data_dir=data_dir or None)
+
+
+def known_builder(name: str, data_dir: str = "", origin: str = "config.data.tfds_name"):
+  """The TFDS builder of `name` (not prepared), or a one-line ValueError naming its config field, `origin`."""
+  import tensorflow_datasets as tfds
+  try:
+    return tfds.builder(name, data_dir=data_dir or None)
+  except tfds.core.registered.DatasetNotFoundError as e:
+    raise ValueError(f"{origin}: unknown TFDS dataset {name!r}") from e
 
 
 def have_tensorflow() -> bool:

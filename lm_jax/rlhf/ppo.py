@@ -34,8 +34,8 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import (checkpoint, init_from, loop as loop_lib, metrics_log, models, params as params_lib, sharding,
-                    step, train as train_lib)
+from lm_jax import (checkpoint, goodput, init_from, loop as loop_lib, metrics_log, models, params as params_lib,
+                    sharding, step, train as train_lib)
 from lm_jax.data import instructions, pipeline
 from lm_jax.models import layers
 from lm_jax.objectives import clm, rewards
@@ -230,8 +230,9 @@ def train(config, workdir: str, *, devices=None) -> dict:
 def loop(run: Run, workdir: str) -> dict:
   """train() with the parts built: iterations from the latest checkpoint in workdir (or the start) to the end on
   lm_jax.loop's schedules: a record every config.log_every iterations in workdir/metrics.jsonl, checkpoints (the PPO
-  state, and the policy in WORKDIR/policy) on schedule and on SIGTERM."""
-  s, c = run.setup, run.setup.config
+  state, and the policy in WORKDIR/policy) on schedule and on SIGTERM. The goodput line counts from here (build()'s
+  time is not in it)."""
+  s, c, ledger = run.setup, run.setup.config, goodput.Ledger()
   mngr, policy_mngr = checkpoint.manager(workdir, c.keep_checkpoints), _policy_workdir(run, workdir)
   ptx_it = _ptx_iterator(run)
   data_state = lambda: checkpoint.data_state(ptx_it) if ptx_it else {}
@@ -240,20 +241,22 @@ def loop(run: Run, workdir: str) -> dict:
     checkpoint.save(mngr, it, state, data_state(), c)
     checkpoint.save(policy_mngr, it, state["policy"], {}, run.policy.config)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
-    restored = checkpoint.restore_latest(mngr, *_layout(run), c, with_data=True)
-    if restored is None:
-      state, start = initial_state(run), 0
-    else:
-      state, start = restored.state, loop_lib.resume(restored, mngr.directory, ptx_it, "iteration")
-    log = metrics_log.MetricsLog(workdir, start)
-    schedules = loop_lib.Schedules(c, mngr, log, record=lambda window, seconds: window[-1], save=save,
+    with ledger.timing("restore"):
+      restored = checkpoint.restore_latest(mngr, *_layout(run), c, with_data=True)
+      if restored is None:
+        state, start = initial_state(run), 0
+      else:
+        state, start = restored.state, loop_lib.resume(restored, mngr.directory, ptx_it, "iteration")
+    log = metrics_log.MetricsLog(workdir, start, config=c)
+    schedules = loop_lib.Schedules(c, mngr, log, record=lambda window, seconds: window[-1], save=save, ledger=ledger,
                                    data_state=data_state, unit="iteration")
     state, result = loop_lib.run(schedules, lambda state, it: iteration(run, state, ptx_it, it), state, start,
                                  c.phase_end_step or c.total_steps)
     for m in (mngr, policy_mngr):
-      checkpoint.finish(m)
+      with ledger.timing("checkpoint"):
+        checkpoint.finish(m)
       m.close()
-    log.close()
+    loop_lib.finish(log, ledger)
     if ptx_it:
       ptx_it.close()
   return {**result, "state": state}

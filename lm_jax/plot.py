@@ -1,0 +1,104 @@
+"""python -m lm_jax.plot WORKDIR [WORKDIR ...] [--out FILE]: the train and eval curves of one or several runs, from
+their metrics.jsonl, in one PNG (matplotlib's Figure, without pyplot: no display, no global state).
+
+Panels, for the fields the records have: loss (train `loss`, eval `eval_loss` and a data mixture's `eval_SOURCE_loss`),
+perplexity (every *perplexity field, and exp(`token_loss`) in training), accuracy (every *accuracy field) and
+tokens/s. The first row is over steps, the second
+over training tokens (train records' `tokens`; eval records at the same step's count). Each run has its colour, train
+curves are solid, eval curves dashed.
+
+Dependencies: metrics_log only; nothing imports it.
+"""
+import argparse
+import math
+import pathlib
+import sys
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from lm_jax import metrics_log
+
+PANELS = ("loss", "perplexity", "accuracy", "tokens/s")
+
+
+def curves(records: list[dict]) -> dict:
+  """{panel: {label: [(step, tokens or None, value), ...]}} of one run's records."""
+  out = {p: {} for p in PANELS}
+  per_step = next((r["tokens"] / r["step"] for r in records if "tokens" in r and r["step"]), None)
+
+  def add(panel, label, record, value):
+    tokens = per_step * record["step"] if per_step else None
+    out[panel].setdefault(label, []).append((record["step"], tokens, value))
+  for r in records:
+    train = "loss" in r
+    for k, v in r.items():
+      if k == "step" or not isinstance(v, (int, float)):
+        continue
+      if k == "loss" or (k.startswith("eval_") and k.endswith("_loss") and not k.endswith("token_loss")):
+        add("loss", k, r, v)
+      elif k.endswith("perplexity"):
+        add("perplexity", k, r, v)
+      elif k == "token_loss" and train:
+        add("perplexity", "perplexity", r, math.exp(min(v, 50.0)))
+      elif k.endswith("accuracy"):
+        add("accuracy", k, r, v)
+      elif k == "tokens_per_sec":
+        add("tokens/s", "tokens/s", r, v)
+  return {p: c for p, c in out.items() if c}
+
+
+def figure(runs: dict[str, list[dict]]):
+  """The figure of {run name: records}: a row over steps, and one over tokens when some run logs them."""
+  per_run = {name: curves(records) for name, records in runs.items()}
+  panels = [p for p in PANELS if any(p in c for c in per_run.values())]
+  if not panels:
+    raise ValueError("no loss, perplexity, accuracy or tokens/s in the records")
+  with_tokens = any(t is not None for c in per_run.values() for lines in c.values() for points in lines.values()
+                    for _, t, _ in points)
+  rows = 2 if with_tokens else 1
+  fig = Figure(figsize=(4.5 * len(panels), 3.5 * rows), layout="tight")
+  axes = fig.subplots(rows, len(panels), squeeze=False)
+  colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+  for n, (name, c) in enumerate(per_run.items()):
+    for col, panel in enumerate(panels):
+      for label, points in c.get(panel, {}).items():
+        style = dict(color=colours[n % len(colours)], linestyle="--" if label.startswith("eval_") else "-",
+                     marker="o" if len(points) < 20 else None, markersize=3, label=f"{name}: {label}")
+        axes[0, col].plot([s for s, _, _ in points], [v for *_, v in points], **style)
+        if with_tokens and points[0][1] is not None:
+          axes[1, col].plot([t for _, t, _ in points], [v for *_, v in points], **style)
+  for col, panel in enumerate(panels):
+    for row in range(rows):
+      ax = axes[row, col]
+      ax.set_title(panel)
+      ax.set_xlabel(("step", "tokens")[row])
+      if panel == "perplexity":
+        ax.set_yscale("log")
+      ax.grid(alpha=0.3)
+    axes[0, col].legend(fontsize=7)
+  return fig
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m lm_jax.plot", description=__doc__.split("\n\n")[0])
+  parser.add_argument("workdirs", nargs="+", metavar="WORKDIR")
+  parser.add_argument("--out", default="curves.png", help="the PNG to write (default: ./curves.png)")
+  args = parser.parse_args(argv)
+  runs = {}
+  for workdir in args.workdirs:
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    records = metrics_log.read(path)
+    if not records:
+      sys.exit(f"lm_jax.plot: no records in {path}")
+    runs[workdir] = records
+  try:
+    fig = figure(runs)
+  except ValueError as e:
+    sys.exit(f"lm_jax.plot: {e} ({', '.join(args.workdirs)})")
+  fig.savefig(args.out, dpi=120)
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
