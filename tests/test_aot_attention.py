@@ -48,7 +48,10 @@ def test_splash_gpt_model_equals_xla():
   np.testing.assert_allclose(np.asarray(jax.tree.leaves(got)[0]), np.asarray(jax.tree.leaves(ref)[0]), atol=1e-4)
 
 
-def test_unknown_kernel_is_one_line():
+def test_unknown_kernel_or_attention_dropout_is_one_line():
   config = config_lib.load("configs/gpt1.py:tiny", {"model.attention": "flash"})
   with pytest.raises(ValueError, match="unknown model.attention 'flash'; known: xla, cudnn, splash"):
+    models.validate(config.model)
+  config = config_lib.load("configs/gpt1.py:tiny", {"model.attention": "splash", "model.attention_dropout_rate": 0.1})
+  with pytest.raises(ValueError, match="model.attention='splash' has no dropout on the attention probabilities"):
     models.validate(config.model)

@@ -62,6 +62,9 @@ def validate(model_cfg) -> None:
       raise ValueError(f"unknown model.{name} {get(name)!r}; known: {', '.join(known)}")
   if get("attention", "xla") not in layers.ATTENTION_KERNELS:
     raise ValueError(f"unknown model.attention {get('attention')!r}; known: {', '.join(layers.ATTENTION_KERNELS)}")
+  if get("attention", "xla") != "xla" and get("attention_dropout_rate", 0.0) > 0:
+    raise ValueError(f"model.attention={get('attention')!r} has no dropout on the attention probabilities: set "
+                     "model.attention_dropout_rate=0 or model.attention='xla'")
   for name in ("dropout_rate", "attention_dropout_rate"):
     if not 0.0 <= get(name, 0.0) < 1.0:
       raise ValueError(f"model.{name} must be in [0, 1), got {get(name)!r}")

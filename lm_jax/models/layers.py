@@ -291,8 +291,9 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax
   The kernel is the model's (attention_kernel): 'xla' the explicit form below, which materialises the float32
   (B, H, T, S) probabilities; 'cudnn' jax.nn.dot_product_attention, cuDNN's fused flash attention on GPU (XLA's
   form elsewhere); 'splash' Pallas splash attention on TPU (interpreted elsewhere), which never materialises the
-  probabilities. Dropout on the probabilities and decoding with a cache (T != S) need the explicit form. Logits
-  and softmax are float32; a fully masked row gives a uniform average, never NaN (explicit form).
+  probabilities. Dropout on the probabilities (models.validate refuses it with the fused kernels) and decoding with
+  a cache (T != S) take the explicit form. Logits and softmax are float32; a fully masked row gives a uniform
+  average, never NaN (explicit form).
   """
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   use_dropout = dropout_rng is not None and dropout_rate > 0.0
