@@ -5,7 +5,7 @@ import re
 import jax
 
 from conftest import load_config
-from lm_jax import aot, step, train
+from lm_jax import aot, memory, step, train
 
 
 def test_memory_line_is_the_compiled_steps_memory_analysis(shared_data, tmp_path, capsys):
@@ -28,3 +28,12 @@ def test_memory_line_is_the_compiled_steps_memory_analysis(shared_data, tmp_path
                        + expected["code"])
   assert shown == {k: f"{v / 2**20:.1f}" for k, v in expected.items()}
   assert "lm_jax.memory: params" in estimate_part
+
+
+def test_device_memory_in_log_records_where_the_device_reports_it():
+  class Accelerator:
+    def memory_stats(self):
+      return {"bytes_in_use": 3 * 2**30, "peak_bytes_in_use": 5 * 2**30, "bytes_limit": 16 * 2**30}
+
+  assert memory.device_stats(Accelerator()) == {"device_memory_gib": 3.0, "device_memory_peak_gib": 5.0}
+  assert memory.device_stats(jax.devices("cpu")[0]) == {}   # the CPU reports none: no fields
