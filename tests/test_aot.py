@@ -38,7 +38,11 @@ for spec, name, flags in json.loads(sys.argv[1]):
   r = aot.report(c, topo, mesh, train, evaluate, 0.4)
   est = memory.estimate(c, mesh=tuple(mesh.shape.values()))
   out.append({"spec": spec, "topology": name, "report": r, "estimate": est.params + est.opt_state})
-print("JSON" + json.dumps(out))
+from lm_jax import sharding
+hybrid = sharding.make_mesh(config_lib.load("configs/gpt1.py:tiny", {"mesh.data": 4, "mesh.fsdp": 8}),
+                            topology.get("2xv5e-16").devices)
+slices = [sorted({d.slice_index for d in hybrid.devices[i].flat}) for i in range(4)]
+print("JSON" + json.dumps({"compiled": out, "slices": slices}))
 """
 
 
@@ -61,6 +65,8 @@ def test_tiny_families_compile_for_tpu_and_gpu_and_match_the_memory_model():
   result = aot("-c", DRIVER, json.dumps(jobs))
   assert result.returncode == 0, result.stderr[-3000:]
   out = json.loads(result.stdout.split("JSON", 1)[1])
+  assert out["slices"] == [[0], [0], [1], [1]], "mesh.data spans the 2 slices; fsdp stays inside one"
+  out = out["compiled"]
   assert [o["report"]["attention"] for o in out[-2:]] == ["splash", "splash"]
   assert out[0]["report"]["memory_per_device"]["eval_total"] > 0
   kinds = {o["topology"]: o["report"]["device_kind"] for o in out}
