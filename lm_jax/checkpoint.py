@@ -31,15 +31,35 @@ from lm_jax.data import mixture
 RUNTIME_MODEL_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "remat_policy")
 # Data fields the train iterator's position does not depend on.
 EVAL_DATA_FIELDS = ("eval_split", "eval_batches", "tfds_data_dir")
+# Config groups that decide which parameters train as adapters (lm_jax.peft): part of the state's layout.
+ADAPTER_GROUPS = ("lora", "ia3")
 
 
-def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
-  root = workdir if "://" in workdir else os.path.abspath(workdir)  # gs://... stays as it is
+def directory(workdir: str) -> epath.Path:
+  """workdir/checkpoints (gs://... stays as it is)."""
+  return epath.Path(workdir if "://" in workdir else os.path.abspath(workdir)) / "checkpoints"
+
+
+def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.CheckpointManager:
+  """The run's checkpoints. read_only: one that neither creates workdir/checkpoints nor removes the temporary folders
+  in it, for reading another run's workdir (init_from, reward_from: it may be training) or an eval's."""
   handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
               "config": ocp.JsonCheckpointHandler()}  # registered so item_metadata() can read the state's tree
   return ocp.CheckpointManager(
-      epath.Path(root) / "checkpoints", item_handlers=handlers,
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+      directory(workdir), item_handlers=handlers,
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                           cleanup_tmp_directories=not read_only))
+
+
+def has_checkpoint(workdir: str) -> bool:
+  """Whether workdir holds a complete checkpoint step; writes nothing."""
+  if not directory(workdir).is_dir():
+    return False
+  mngr = manager(workdir, 1, read_only=True)
+  try:
+    return mngr.latest_step() is not None
+  finally:
+    mngr.close()
 
 
 def _plain(config) -> dict:
@@ -215,6 +235,7 @@ def check_state(saved_tree, abstract_state, saved_config: dict, config, what: st
          for path, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
   if saved == now:
     return
+  _check_adapters(saved_config, config, what)
   old, new = saved_config.get("optimizer", {}), _plain(config.optimizer)
   fields = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
   if fields:
@@ -224,6 +245,19 @@ def check_state(saved_tree, abstract_state, saved_config: dict, config, what: st
   name = min(set(saved) ^ set(now) or {k for k in saved if saved[k] != now[k]})
   raise ValueError(f"{what} does not fit this config: {name} is {saved.get(name)} in the checkpoint and "
                    f"{now.get(name)} here; use a new --workdir")
+
+
+def _check_adapters(saved_config: dict, config, what: str):
+  """One-line error when the checkpoint was trained with other adapters (config.lora, config.ia3) than the config
+  has: the usual cause of a state that does not fit when evaluating or exporting an adapter run."""
+  now = _plain(config)
+  for group in ADAPTER_GROUPS:
+    old, new = saved_config.get(group) or {}, now.get(group) or {}
+    fields = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if fields:
+      as_flags = lambda values: " ".join(f"--config.{group}.{k}={values.get(k)!r}" for k in fields)
+      raise ValueError(f"{what} was trained with {as_flags(old)} but the config has {as_flags(new)}: pass the run's "
+                       f"config (its {group} flags)")
 
 
 def check_model(saved: dict, config, directory: str):

@@ -259,9 +259,9 @@ def parse_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 @contextlib.contextmanager
 def user_errors():
   """Inside, a user's mistake exits with one line `error: ...` on stderr: 2 for a ConfigError or absl
-  UsageError; 1 for a ValueError or FloatingPointError raised by lm_jax (data, checkpoints, a diverged run) or
-  a file that cannot be found, read or written. Anything else is a bug and keeps its traceback, as does every
-  error with LM_JAX_TRACEBACK=1."""
+  UsageError; 1 for a ValueError, FloatingPointError or OSError raised by lm_jax (data, checkpoints, a diverged
+  run, a full disk, a workdir in use) or a file that cannot be found, read or written. Anything else is a bug and
+  keeps its traceback, as does every error with LM_JAX_TRACEBACK=1."""
   try:
     yield
   except Exception as e:  # re-raised unless it is the user's
@@ -277,7 +277,7 @@ def _exit_code(e: BaseException) -> int | None:
     return 2
   if isinstance(e, (FileNotFoundError, PermissionError)) or (isinstance(e, OSError) and e.filename):
     return 1
-  if isinstance(e, (ValueError, FloatingPointError)) and _raised_in_lm_jax(e):
+  if isinstance(e, (ValueError, FloatingPointError, OSError)) and _raised_in_lm_jax(e):  # OSError: a full disk
     return 1
   return None
 

@@ -1,22 +1,49 @@
 """Using a trained model from the command line: fill [MASK] tokens (BERT) and continue prompts (GPT, T5), with
-the latest checkpoint of a workdir or a Hugging Face directory (config.init_from)."""
+the latest checkpoint of a workdir or a Hugging Face directory (config.init_from). The command line's prompts and
+decoding flags are checked here before any model is read: a flag of another method, or a value out of range, is a
+ConfigError (exit code 2)."""
 import jax
 import numpy as np
 
-from lm_jax import decoding, models, params as params_lib, train
+from lm_jax import config_lib, decoding, models, params as params_lib, train
 
 MASK = "[MASK]"
+# The generate flags that only one decoding method reads.
+METHOD_OPTIONS = {"sample": ("temperature", "top_k", "top_p", "seed"), "beam": ("num_beams",)}
+_RANGES = {"max_new_tokens": (">= 1", lambda x: x >= 1), "temperature": ("> 0", lambda x: x > 0),
+           "top_k": (">= 0 (0 = all)", lambda x: x >= 0), "top_p": ("in (0, 1]", lambda x: 0 < x <= 1),
+           "num_beams": (">= 1", lambda x: x >= 1)}
 
 
 def read_prompts(prompts, prompts_file: str | None) -> list[str]:
-  """--prompt values, then one prompt per non-empty line of --prompts_file."""
+  """--prompt values, then one prompt per non-empty line of --prompts_file (UTF-8 text)."""
   out = list(prompts or [])
   if prompts_file:
-    with open(prompts_file, encoding="utf-8") as f:
-      out += [line.rstrip("\n") for line in f if line.strip()]
+    try:
+      with open(prompts_file, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    except UnicodeDecodeError as e:
+      raise ValueError(f"--prompts_file={prompts_file}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except IsADirectoryError:
+      raise ValueError(f"--prompts_file={prompts_file} is a directory, not a file of prompts") from None
+    if not lines:
+      raise ValueError(f"--prompts_file={prompts_file} is empty (no non-blank line)")
+    out += lines
   if not out:
-    raise ValueError("give at least one --prompt or a --prompts_file")
+    raise config_lib.ConfigError("give at least one --prompt or a --prompts_file")
   return out
+
+
+def check_generate_flags(given: set[str], method: str, **options):
+  """ConfigError for a decoding flag `given` on the command line that --method does not read (--temperature without
+  --method=sample: silently ignored, it would hide a typo in the method), or for an option out of its range."""
+  for other, names in METHOD_OPTIONS.items():
+    wrong = sorted(n for n in names if n in given and method != other)
+    if wrong:
+      raise config_lib.ConfigError(f"--{wrong[0]} applies to --method={other}, not --method={method}")
+  for name, (rule, ok) in _RANGES.items():
+    if name in options and not ok(options[name]):
+      raise config_lib.ConfigError(f"--{name} must be {rule}, got {options[name]}")
 
 
 def generate_text(config, workdir: str, texts: list[str], **options) -> list[str]:

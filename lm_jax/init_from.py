@@ -51,19 +51,26 @@ def is_hf(path: str) -> bool:
 
 # ------------------------------------------------------------------------------------------ the pre-trained model
 def saved_config(path: str) -> dict:
-  """The saved config of the latest checkpoint of the run in `path`."""
-  mngr = checkpoint.manager(path, 1)
+  """The saved config of the latest checkpoint of the run in `path` (read only: nothing is written there)."""
+  _require_checkpoint(path)
+  mngr = checkpoint.manager(path, 1, read_only=True)
   try:
     return _latest_config(mngr, path)
   finally:
     mngr.close()
 
 
+def _require_checkpoint(path: str):
+  if not checkpoint.has_checkpoint(path):
+    what = "does not exist" if not os.path.exists(path) else "is neither a Hugging Face directory (config.json) nor " \
+        "a workdir with a checkpoint"
+    raise FileNotFoundError(f"config.init_from={path!r} {what}")
+
+
 def _latest_config(mngr, path: str) -> dict:
   latest = mngr.latest_step()
   if latest is None:
-    raise FileNotFoundError(f"config.init_from={path!r}: neither a Hugging Face directory (config.json) nor a "
-                            "workdir with a checkpoint")
+    _require_checkpoint(path)
   return mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
 
 
@@ -108,7 +115,8 @@ def pretrained_params(config, mesh, rules) -> dict:
   if is_hf(path):
     _, params = export.load_hf(path, **{k: m[k] for k in RUN_FIELDS if k in m and k != "num_labels"})
     return params
-  mngr = checkpoint.manager(path, 1)   # one manager for the saved config and the params
+  _require_checkpoint(path)
+  mngr = checkpoint.manager(path, 1, read_only=True)   # one manager for the saved config and the params
   try:
     source = ml_collections.ConfigDict(_latest_config(mngr, path))
     _, _, abstract, shardings = step.state_layout(source, mesh, rules)
@@ -179,23 +187,25 @@ def start_params(config, fresh: dict, mesh, rules, params_sharding) -> tuple[dic
 
 
 # ------------------------------------------------------------------------------- params for eval / export / predict
-def _has_checkpoint(workdir: str) -> bool:
-  mngr = checkpoint.manager(workdir, 1)
-  found = mngr.latest_step() is not None
-  mngr.close()
-  return found
-
-
 def eval_source(config, workdir: str) -> tuple[ml_collections.ConfigDict, str]:
   """(config, directory) of the params eval / export / predict use: the latest checkpoint in workdir, or without one
   config.init_from's (a fine-tuned run evaluates its own). A Hugging Face directory's model config replaces
   config.model (runtime fields such as dtype and scan_layers stay the run's); its tokenizer is used unless
-  data.tokenizer names one."""
-  if not config.init_from or _has_checkpoint(workdir):
+  data.tokenizer names one. Checked before a tokenizer is built or data read: a workdir without a checkpoint and
+  without config.init_from, or whose task head config.init_from lacks, is a one-line FileNotFoundError."""
+  if checkpoint.has_checkpoint(workdir):
     return config, workdir
+  no_checkpoint = f"no checkpoint in {checkpoint.directory(workdir)}"
+  if not config.init_from:
+    raise FileNotFoundError(f"{no_checkpoint}; train first (--mode=train) or pass --init_from")
   if not is_hf(config.init_from):
+    _require_checkpoint(config.init_from)
     return config, config.init_from
   model, tokenizer = source_model(config.init_from)
+  heads = config.model.get("num_labels", 0)
+  if heads and model.get("num_labels", 0) != heads:
+    raise FileNotFoundError(f"{no_checkpoint}: train first (--mode=train); config.init_from={config.init_from!r} "
+                            f"has no {heads}-label head of its own (num_labels={model.get('num_labels', 0)})")
   model.update({k: config.model[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers")})
   models.validate(model)
   config = config.copy_and_resolve_references()
@@ -211,7 +221,7 @@ def restore_params(s, source: str) -> tuple[dict, int]:
   if source == s.config.init_from and is_hf(source):
     params = params_lib.prepare(s.config, pretrained_params(s.config, s.mesh, s.rules), fill=True)
     return jax.device_put(params, s.state_sharding["params"]), 0
-  mngr = checkpoint.manager(source, s.config.keep_checkpoints)
+  mngr = checkpoint.manager(source, s.config.keep_checkpoints, read_only=True)
   with jax.set_mesh(s.mesh):
     restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=False)
   mngr.close()

@@ -13,7 +13,7 @@ malloc.keep_freed_memory()  # before anything starts JAX's backend
 
 from absl import app, flags  # noqa: E402
 
-from lm_jax import config_lib  # noqa: E402
+from lm_jax import config_lib, metrics_log  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
@@ -24,6 +24,8 @@ _MODE = flags.DEFINE_enum("mode", "train",
                           "zeroshot: GPT-1's zero-shot heuristics on config.task, docs/zeroshot.md; compile: the "
                           "train and eval steps compiled for --topology, docs/scale.md)")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "--mode=export: replace a non-empty --export_dir whole (without it "
+                                "one is refused)")
 _EXPORT_MERGED = flags.DEFINE_bool("export_merged", False, "--mode=export of a LoRA run: the model with its adapters "
                                    "merged, instead of the base model + adapter/ in the PEFT format")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "--mode=generate: a prompt; --mode=fill_mask: a text with "
@@ -57,6 +59,7 @@ _REPORT_JSON = flags.DEFINE_string("report_json", "", "--mode=compile: also writ
 
 def main(args):
   _, overrides = args
+  metrics_log.quiet_libraries()   # before any orbax call: its INFO lines would precede a one-line error
   with config_lib.user_errors():
     config = config_lib.load(_CONFIG.value, overrides)
     if _INIT_FROM.value:
@@ -109,14 +112,16 @@ def _run(config, mode):
   else:
     if not _EXPORT_DIR.value:
       raise app.UsageError("--export_dir is required for --mode=export")
-    train.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value, merged=_EXPORT_MERGED.value)
+    train.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value, merged=_EXPORT_MERGED.value,
+                            overwrite=_OVERWRITE.value)
 
 
 def _print_generations(config):
   from lm_jax import inference
-  texts = inference.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
   options = dict(max_new_tokens=_MAX_NEW.value, method=_METHOD.value, temperature=_TEMPERATURE.value,
                  top_k=_TOP_K.value, top_p=_TOP_P.value, num_beams=_NUM_BEAMS.value, seed=_SEED.value)
+  inference.check_generate_flags({name for name in options if flags.FLAGS[name].present}, **options)
+  texts = inference.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
   for text, continuation in zip(texts, inference.generate_text(config, _WORKDIR.value, texts, **options)):
     print(f"{text}\n  -> {continuation}")
 

@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from lm_jax import (aot, checkpoint, config_lib, goodput, hardware, init_from, lm_eval_adapter, loop, memory,
-                    metrics_log, objectives, params as params_lib, predict, sharding, step)
+                    metrics_log, objectives, params as params_lib, predict, sharding, step, workdir_lock)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.hf import export
 
@@ -133,6 +133,7 @@ def compile_train_step(s: Setup):
 
 
 # ----------------------------------------------------------------------------------------------- entry points
+@workdir_lock.holding   # one run per workdir
 def train(config, workdir: str, *, devices=None) -> dict:
   """Trains (or resumes) to config.phase_end_step or total_steps. Returns {'step', 'train': last train
   record, 'eval': last eval record, 'state': final train state}. An objective that trains on its own rollouts
@@ -178,18 +179,24 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
   return record
 
 
-def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = False):
+def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = False, overwrite: bool = False):
   """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf).
   An adapter run (LoRA, IA³) writes its base model there and its adapters in the PEFT format to export_dir/adapter,
-  or with `merged` the model with the adapters merged in."""
+  or with `merged` the model with the adapters merged in. Atomic (export.writing): a non-empty export_dir is refused
+  before anything is read, unless `overwrite` replaces it whole."""
+  export.check_target(export_dir, overwrite)
+  if overwrite and os.path.commonpath([os.path.abspath(export_dir), os.path.abspath(workdir)]) == \
+      os.path.abspath(export_dir):
+    raise ValueError(f"--export_dir={export_dir} --overwrite would replace the run's own workdir {workdir}")
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     params = jax.device_get(params)
     plain = jax.device_get(params_lib.merged(s.config, params)) if merged else params_lib.base(s.config, params)
-    export.save_hf(s.config.model, plain, export_dir, tokenizer=s.tokenizer)
-    if not merged:
-      params_lib.save_adapter(s.config, params, os.path.join(export_dir, "adapter"))
+    with export.writing(export_dir, overwrite) as out:
+      export.save_hf(s.config.model, plain, out, tokenizer=s.tokenizer)
+      if not merged:
+        params_lib.save_adapter(s.config, params, os.path.join(out, "adapter"))
   loop.say(f"exported step {latest} to {export_dir}")
   return export_dir

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from lm_jax import decoding, init_from, models, train
+from lm_jax import config_lib, decoding, init_from, models, train
 from lm_jax.data import tasks
 
 HEURISTICS = ("sentiment", "choice", "acceptability")
@@ -207,14 +207,14 @@ def run(config, workdir: str, heuristic: str, *, cue: str = "very", threshold: f
   """Reads the task (config.data.eval_split, and threshold_split), loads the latest checkpoint of workdir or
   config.init_from (train.restore_params) and evaluates the heuristic (see evaluate)."""
   if heuristic not in HEURISTICS:
-    raise ValueError(f"unknown zero-shot heuristic {heuristic!r}; known: {', '.join(HEURISTICS)}")
+    raise config_lib.ConfigError(f"unknown zero-shot heuristic {heuristic!r}; known: {', '.join(HEURISTICS)}")
   if heuristic != "acceptability" and (threshold is not None or threshold_split):
-    raise ValueError(f"--threshold / --threshold_split are for --zeroshot=acceptability, not {heuristic}")
+    raise config_lib.ConfigError(f"--threshold / --threshold_split are for --zeroshot=acceptability, not {heuristic}")
   if threshold is not None and threshold_split:
-    raise ValueError("give --threshold or --threshold_split, not both")
+    raise config_lib.ConfigError("give --threshold or --threshold_split, not both")
   family = _family(config)
   if models.family(family).layout != "decoder":
-    raise ValueError(f"--mode=zeroshot scores with a GPT language model; config.model.family={family!r}")
+    raise config_lib.ConfigError(f"--mode=zeroshot scores with a GPT language model; config.model.family={family!r}")
   data = read(config, heuristic, config.data.eval_split)
   chosen_on = read(config, heuristic, threshold_split) if threshold_split else None
   s, params, _ = train.restore_params(config, workdir)

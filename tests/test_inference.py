@@ -64,4 +64,4 @@ def test_generate_cli_prints_the_greedy_continuation(shared_data, tmp_path):
   assert run.stdout.strip().splitlines()[-2:] == ["ROMEO:", f"  -> {want[0]}"]
   run = cli(*flags("clm", shared_data), f"--workdir={tmp_path}", "--mode=generate", "--prompt=ROMEO:",
             "--method=sample", "--top_p=0")
-  assert run.returncode == 1 and run.stderr.strip().startswith("error: sampling needs")
+  assert run.returncode == 2 and run.stderr.strip() == "error: --top_p must be in (0, 1], got 0.0"   # a flag: 2

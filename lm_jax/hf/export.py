@@ -7,10 +7,23 @@ BertForMaskedLM also loads, OpenAIGPTLMHeadModel, GPT2LMHeadModel, T5ForConditio
 unstacked, float32). load_hf reads safetensors only, never pickles; it also takes encoder-only BertModel checkpoints
 (missing pooler / MLM / NSP heads are initialised randomly with a warning, like transformers does). A missing,
 unreadable or unfitting file is a one-line error that names the file, and the tensor where one is at fault.
+
+`writing` makes an export atomic (lm_jax.train.export_checkpoint writes through it): the files go to a temporary
+directory beside the target, which is renamed to the target only once every file is written, so an error, a full
+disk or SIGTERM leaves the target as it was and no files of two exports ever mix (an unmerged export's adapter/
+beside merged weights would apply the adapters twice). A non-empty target is refused unless `overwrite`, which
+replaces it whole. Every file gets the same mode (the umask's).
 """
+import contextlib
 import glob
 import json
 import os
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import threading
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -37,10 +50,69 @@ def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer 
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
-  save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+  weights = os.path.join(out_dir, "model.safetensors")
+  save_file(tensors, weights, metadata={"format": "pt"})
+  os.chmod(weights, stat.S_IMODE(os.stat(os.path.join(out_dir, "config.json")).st_mode))  # safetensors writes 0600
   if fam.layout != "encoder":
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
       json.dump(_generation_config(model_cfg, fam.layout, tokenizer), f, indent=2)
+
+
+def check_target(out_dir: str, overwrite: bool = False):
+  """One-line error for an export target that `writing` would refuse: call it before the export's work."""
+  if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+    raise FileExistsError(f"export directory {out_dir} is a file")
+  if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+    raise FileExistsError(f"export directory {out_dir} is not empty; pass --overwrite to replace it whole, or "
+                          "choose another --export_dir")
+
+
+@contextlib.contextmanager
+def writing(out_dir: str, overwrite: bool = False):
+  """Yields a temporary directory beside out_dir to write an export into; at the end of the block it becomes out_dir
+  (replacing one that exists, with `overwrite`), with every file and folder at the umask's mode. An exception or
+  SIGTERM inside the block removes it and leaves out_dir untouched."""
+  check_target(out_dir, overwrite)
+  out_dir = os.path.abspath(out_dir)
+  os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=os.path.dirname(out_dir))
+  main_thread = threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGTERM, _cancel) if main_thread else None
+  old = tmp + ".old"   # an existing out_dir (overwrite, or empty) is set aside, replaced, then removed
+  try:
+    yield tmp
+    _umask_modes(tmp)
+    if os.path.lexists(out_dir):
+      os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+  except BaseException:
+    if os.path.lexists(old) and not os.path.lexists(out_dir):
+      os.rename(old, out_dir)
+    for path in (tmp, old):
+      shutil.rmtree(path, ignore_errors=True)
+    raise
+  finally:
+    if main_thread:
+      signal.signal(signal.SIGTERM, previous)
+
+
+def _cancel(signum, frame):
+  del frame
+  print(f"error: {signal.Signals(signum).name}: export cancelled, nothing written", file=sys.stderr, flush=True)
+  raise SystemExit(128 + signum)
+
+
+def _umask_modes(root: str):
+  """Every file under root at 0666 and every folder at 0777, less the umask: what open() and mkdir() give."""
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(root, 0o777 & ~umask)
+  for folder, dirs, files in os.walk(root):
+    for name in dirs:
+      os.chmod(os.path.join(folder, name), 0o777 & ~umask)
+    for name in files:
+      os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def _generation_config(model_cfg, layout, tokenizer) -> dict:

@@ -35,7 +35,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lm_jax import (checkpoint, goodput, init_from, loop as loop_lib, metrics_log, models, params as params_lib,
-                    sharding, step, train as train_lib)
+                    sharding, step, train as train_lib, workdir_lock)
 from lm_jax.data import instructions, pipeline
 from lm_jax.models import layers
 from lm_jax.objectives import clm, rewards
@@ -221,6 +221,7 @@ def _policy_workdir(run: Run, workdir: str):
   return mngr
 
 
+@workdir_lock.holding   # one run per workdir
 def train(config, workdir: str, *, devices=None) -> dict:
   """PPO iterations up to config.phase_end_step or total_steps, resuming the latest checkpoint in workdir ->
   {'step', 'train': the last iteration's record, 'state': the PPO state}."""
