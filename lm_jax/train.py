@@ -13,7 +13,7 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from lm_jax import (aot, checkpoint, config_lib, goodput, hardware, init_from, lm_eval_adapter, loop, memory,
+from lm_jax import (checkpoint, config_lib, goodput, hardware, init_from, lm_eval_adapter, loop, memory,
                     metrics_log, objectives, params as params_lib, predict, sharding, step, workdir_lock)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.hf import export
@@ -121,15 +121,20 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log, ledger) -> tuple[dic
   return loop.run(schedules, train_one, state, start, c.phase_end_step or c.total_steps)
 
 
-def compile_train_step(s: Setup):
-  """The train step compiled once, ahead of the first batch, so its per-device memory is known at start: printed
-  next to lm_jax.memory's estimate."""
+def compile_train_step(s: Setup) -> Callable:
+  """The train step, compiled once at its first call (inside the first step's window, where the time split books
+  compilations) from that call's arguments; its per-device memory is printed then, next to lm_jax.memory's
+  estimate, and the compiled executable runs every step."""
   jitted = step.make_train_step(s.config, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
-  compiled = jitted.lower(*aot.abstract_inputs(s.config, s.objective, s.abstract_state, s.state_sharding,
-                                               s.mesh)).compile()
-  est = memory.estimate(s.config, mesh=tuple(s.mesh.shape[a] for a in sharding.AXES))
-  loop.say(memory.compiled_line(compiled.memory_analysis(), est))
-  return compiled
+  compiled = []
+
+  def train_step(state, batch):
+    if not compiled:
+      compiled.append(jitted.lower(state, batch).compile())
+      est = memory.estimate(s.config, mesh=tuple(s.mesh.shape[a] for a in sharding.AXES))
+      loop.say(memory.compiled_line(compiled[0].memory_analysis(), est))
+    return compiled[0](state, batch)
+  return train_step
 
 
 # ----------------------------------------------------------------------------------------------- entry points
