@@ -11,6 +11,7 @@ a save that fails in the background (a full disk) stops the run at the next step
 failed step's temporary folder removed and the previous steps untouched.
 """
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -45,10 +46,14 @@ def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Checkpoi
   in it, for reading another run's workdir (init_from, reward_from: it may be training) or an eval's."""
   handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
               "config": ocp.JsonCheckpointHandler()}  # registered so item_metadata() can read the state's tree
+  # Multi-host barrier keys of this directory's own: two managers saving at once (PPO's state and its policy) would
+  # otherwise meet at the same orbax barrier and fail ('Barrier ... is already ongoing').
+  key = hashlib.sha1(str(directory(workdir)).encode()).hexdigest()[:12]
+  barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=key)
   return ocp.CheckpointManager(
       directory(workdir), item_handlers=handlers,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           cleanup_tmp_directories=not read_only))
+                                           cleanup_tmp_directories=not read_only, multiprocessing_options=barriers))
 
 
 def has_checkpoint(workdir: str) -> bool:

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from lm_jax import checkpoint, models, objectives, params as params_lib, step
+from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import export
 from lm_jax.models import layers
 
@@ -96,6 +97,8 @@ def resolve(config):
   if model.family != config.model.family:
     raise ValueError(f"config.init_from={config.init_from!r} holds a {model.family!r} model but "
                      f"config.model.family={config.model.family!r}")
+  if config.data.tokenizer:
+    _check_tokenizer(config.data.tokenizer, tokenizer, config)
   merged = config.model.to_dict()
   merged.update({k: v for k, v in model.to_dict().items() if k not in RUN_FIELDS})
   added = objectives.get(config.objective).added_tokens
@@ -106,6 +109,19 @@ def resolve(config):
     config.model = ml_collections.ConfigDict(merged)
     config.data.tokenizer = config.data.tokenizer or tokenizer
   return config
+
+
+def _check_tokenizer(own: str, pretrained: str, config):
+  """config.data.tokenizer may name the pre-trained model's tokenizer by another path, not another tokenizer (the
+  pre-trained ids would mean other pieces; DPO's reference and PPO's policy are this model too)."""
+  if os.path.realpath(own) == os.path.realpath(pretrained):
+    return
+  try:
+    tokenizer_lib.check_same(tokenizer_lib.load(own, config.model.family), pretrained, config.model.family,
+                             f"config.init_from={config.init_from!r}", "config.data.tokenizer")
+  except FileNotFoundError:   # a Hugging Face directory without a tokenizer: data.tokenizer is the only one
+    if not is_hf(config.init_from):
+      raise
 
 
 def pretrained_params(config, mesh, rules) -> dict:
@@ -166,6 +182,7 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
     if p in grown:
       return jnp.concatenate([old[p], leaf[len(old[p]):]])   # on the devices: arrays may span hosts
     return old[p] if p in taken else leaf
+  params_lib.check_fresh(config, set(new) - taken - grown)
   params = traverse_util.unflatten_dict({p: start(p, leaf) for p, leaf in new.items()})
   top = config.finetune.reinit_top_layers
   params = _reinit_top(params, fresh, top)

@@ -236,6 +236,27 @@ def trainable_mask(config) -> dict | None:
   return mask
 
 
+def check_fresh(config, fresh: set):
+  """One-line ValueError when a parameter that starts at its fresh init (`fresh`: paths in the run's params, e.g. a
+  new task head that config.init_from's model lacks) would not train: it would stay random for the whole run."""
+  mask = trainable_mask(config)
+  frozen = sorted("/".join(p) for p in fresh if mask is not None and not _trains(mask, p))
+  if frozen:
+    m, keys = methods.active(config), sorted({p.split("/")[0] for p in frozen})
+    field = f"config.{m.NAME}.modules_to_save" if m else "config.finetune.freeze"
+    fix = (f"add {', '.join(f'^{k}/' for k in keys)!r} to it" if m else "leave them out of it")
+    raise ValueError(f"{', '.join(frozen)} start at a fresh init (config.init_from={config.init_from!r} has no such "
+                     f"parameter) but {field} leaves them frozen, so they would never train: {fix}")
+
+
+def _trains(mask, path: tuple) -> bool:
+  for k in path:
+    if not isinstance(mask, dict):
+      break
+    mask = mask[k]
+  return any(jax.tree.leaves(mask))
+
+
 def split(tree: dict, mask: dict | None) -> tuple[dict, dict]:
   """(trainable, frozen) parts of a params-shaped nested dict; with mask None, (tree, {})."""
   if mask is None:

@@ -5,7 +5,9 @@ Features of a frozen BERT (a Hugging Face directory, e.g. BertModel, or an lm_ja
 hidden states after layer N (default the last) or the last four concatenated (BERT §5.3's feature-based
 approach), pooled at [CLS] or averaged over the tokens; then scikit-learn's LogisticRegression on the train split,
 its C chosen on dev; accuracy on dev and test is printed last as one JSON line. Examples are read like
-config.task (lm_jax/data/tasks.py) and sorted by length, so batches are only as wide as their longest example.
+config.task (lm_jax/data/tasks.py) and sorted by length, so batches are only as wide as their longest example. A flag
+that cannot apply exits 2 and a missing or unusable split 1 (README), before any feature is computed: every split is
+read before the first forward pass.
 """
 import functools
 import json
@@ -30,17 +32,27 @@ C_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 _WIDTH = 16                   # batches are cut to a multiple of this many positions (few shapes to compile)
 
 
-def load(init_from: str):
-  """(model config in the looped layout, params, tokenizer) of a BERT checkpoint: an HF directory or a workdir."""
+def _model(init_from: str):
+  """(model config in the looped layout, tokenizer path) of a BERT checkpoint: an HF directory or a workdir."""
   model, tokenizer_path = init_from_lib.source_model(init_from)
   if models.family(model).layout != "encoder":
-    raise ValueError(f"--init_from={init_from}: the probe reads BERT hidden states; this is a {model.family!r} model")
+    raise config_lib.ConfigError(f"--init_from={init_from}: the probe reads BERT hidden states; this is a "
+                                 f"{model.family!r} model")
+  return layers.replace(model, scan_layers=False), tokenizer_path
+
+
+def _params(init_from: str, model_cfg):
   config = defaults.base_config()
-  config.init_from, config.model = init_from, layers.replace(model, scan_layers=False)
+  config.init_from, config.model = init_from, model_cfg
   mesh = sharding.make_mesh(config)
   with jax.set_mesh(mesh):
-    params = init_from_lib.pretrained_params(config, mesh, sharding.rules(config))
-  return config.model, jax.device_get(params), tokenizer_lib.load(tokenizer_path, model.family)
+    return jax.device_get(init_from_lib.pretrained_params(config, mesh, sharding.rules(config)))
+
+
+def load(init_from: str):
+  """(model config in the looped layout, params, tokenizer) of a BERT checkpoint: an HF directory or a workdir."""
+  model_cfg, tokenizer_path = _model(init_from)
+  return model_cfg, _params(init_from, model_cfg), tokenizer_lib.load(tokenizer_path, model_cfg.family)
 
 
 def _layers(model_cfg, layer: int, last4: bool) -> tuple:
@@ -48,10 +60,10 @@ def _layers(model_cfg, layer: int, last4: bool) -> tuple:
   n = model_cfg.num_layers
   if last4:
     if n < 4:
-      raise ValueError(f"--last4 needs 4 layers; the model has {n}")
+      raise config_lib.ConfigError(f"--last4 needs 4 layers; the model has {n}")
     return tuple(range(n - 4, n))
   if not 0 <= layer <= n:
-    raise ValueError(f"--layer={layer} must be in [1, {n}] (0 = the last)")
+    raise config_lib.ConfigError(f"--layer={layer} must be in [1, {n}] (0 = the last)")
   return ((layer or n) - 1,)
 
 
@@ -89,8 +101,7 @@ def features(model_cfg, params, tokenizer, examples: list, *, seq_len: int, chos
   return out
 
 
-def _examples(task_config, split, tokenizer, *, labelled: bool, limit: int = 0, seed: int = 0) -> list:
-  corpus = tasks.examples(task_config, split, tokenizer)
+def _examples(corpus: tasks.Examples, *, labelled: bool, limit: int = 0, seed: int = 0) -> list:
   found = [ex for ex in corpus.tokens(list(range(len(corpus)))) if ex is not None and (ex.label is not None
                                                                                            or not labelled)]
   if not found:
@@ -123,20 +134,31 @@ def run(init_from: str, *, files: str = "", tfds_name: str = "", text_fields=("0
         log=print) -> dict:
   """Features -> logistic regression -> {dev_accuracy, test_accuracy, C, train_examples, features, seconds}."""
   if pooling not in ("cls", "mean"):
-    raise ValueError(f"--pooling={pooling!r}: use cls or mean")
+    raise config_lib.ConfigError(f"--pooling={pooling!r}: use cls or mean")
+  if len(splits) != 3:
+    raise config_lib.ConfigError(f"--splits needs three splits (train, dev, test), got {list(splits)}")
+  for name, value, least in (("seq_len", seq_len, 3), ("batch_size", batch_size, 1), ("max_train", max_train, 0)):
+    if value < least:
+      raise config_lib.ConfigError(f"--{name}={value} must be >= {least}")
   start = time.perf_counter()
   task = defaults.base_config()
   task.model.num_labels = num_labels
   task.task.update(files=files, tfds_name=tfds_name, text_fields=tuple(text_fields), label_field=label_field,
-                   label_names=tuple(label_names))
-  tasks.check(task)
-  model_cfg, params, tokenizer = load(init_from)
+                   label_names=tuple(label_names), test_split=splits[2])
+  try:
+    tasks.check(task)
+  except ValueError as e:   # the flags are named as the config.task / config.model fields they set
+    raise config_lib.ConfigError(str(e).replace("config.task.", "--").replace("config.model.", "--")) from None
+  model_cfg, tokenizer_path = _model(init_from)
   chosen = _layers(model_cfg, layer, last4)
   if seq_len > model_cfg.max_positions:
-    raise ValueError(f"--seq_len={seq_len} exceeds the model's max_positions={model_cfg.max_positions}")
+    raise config_lib.ConfigError(f"--seq_len={seq_len} exceeds the model's max_positions={model_cfg.max_positions}")
+  tokenizer = tokenizer_lib.load(tokenizer_path, model_cfg.family)
+  corpora = [tasks.examples(task, split, tokenizer) for split in splits]   # a missing split stops here
+  params = _params(init_from, model_cfg)
   data = {}
-  for split, limit in zip(splits, (max_train, 0, 0)):
-    examples = _examples(task, split, tokenizer, labelled=split != splits[2], limit=limit)
+  for split, corpus, limit in zip(splits, corpora, (max_train, 0, 0)):
+    examples = _examples(corpus, labelled=split != splits[2], limit=limit)
     x = features(model_cfg, params, tokenizer, examples, seq_len=seq_len, chosen=chosen, pooling=pooling,
                  batch_size=batch_size)
     data[split] = (x, [ex.label for ex in examples])
@@ -167,20 +189,27 @@ def _define_flags() -> dict:
 
 
 def main(argv, defined: dict):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   f = {k: v.value for k, v in defined.items()}
-  if f["layer"] and f["last4"]:
-    raise app.UsageError("--layer and --last4 exclude each other")
-  if len(f["splits"]) != 3:
-    raise app.UsageError(f"--splits needs three splits (train, dev, test), got {f['splits']}")
   with config_lib.user_errors():
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if f["layer"] and f["last4"]:
+      raise app.UsageError("--layer and --last4 exclude each other")
     result = run(f.pop("init_from"), **{**f, "splits": tuple(f["splits"])},
                  log=lambda line: print(line, file=sys.stderr, flush=True))
   print(json.dumps(result), flush=True)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """app.run's flags_parser: a wrong flag exits 2 with one line, as lm_jax.main's do."""
+  with config_lib.user_errors():
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      raise app.UsageError(str(e)) from None
+
+
 if __name__ == "__main__":
   _defined = _define_flags()
   flags.mark_flags_as_required(["init_from"])
-  app.run(lambda argv: main(argv, _defined))
+  app.run(lambda argv: main(argv, _defined), flags_parser=_parse_flags)

@@ -3,7 +3,8 @@ collectives) against plain 1 process x 8 devices. The data stream does not depen
 both log the same losses, and a checkpoint moves between 2 and 1 processes and continues the same run.
 
 Two tiny GPT-1 runs of 10 steps (checkpoints at 6 and 10), then each run's step-6 checkpoint resumed with the
-other process count.
+other process count; and two tiny PPO runs of 2 iterations (rollouts sampled on every host, PPO-ptx's stream split
+between hosts) that log the same iterations.
 """
 import json
 import os
@@ -39,21 +40,24 @@ def _check(run, workdir):
   return run.stdout + run.stderr
 
 
-def two_processes(workdir, overrides):
-  run = subprocess.run([str(REPO / "launch" / "local.sh"), "2", CONFIG, f"--workdir={workdir}", *_flags(overrides)],
+def two_processes(workdir, overrides, config=CONFIG):
+  run = subprocess.run([str(REPO / "launch" / "local.sh"), "2", config, f"--workdir={workdir}", *_flags(overrides)],
                        cwd=REPO, env=_env(4, workdir), capture_output=True, text=True, timeout=TIMEOUT)
   return _check(run, workdir)
 
 
-def one_process(workdir, overrides, devices):
-  run = subprocess.run([sys.executable, "-m", "lm_jax.main", CONFIG, f"--workdir={workdir}", *_flags(overrides)], cwd=REPO,
-                       env=_env(devices, workdir), capture_output=True, text=True, timeout=TIMEOUT)
+def one_process(workdir, overrides, devices, config=CONFIG):
+  run = subprocess.run([sys.executable, "-m", "lm_jax.main", config, f"--workdir={workdir}", *_flags(overrides)],
+                       cwd=REPO, env=_env(devices, workdir), capture_output=True, text=True, timeout=TIMEOUT)
   return _check(run, workdir)
 
 
+def _records(workdir) -> list:
+  return [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(workdir) -> dict:
-  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return {r["step"]: r["loss"] for r in records if "loss" in r}
+  return {r["step"]: r["loss"] for r in _records(workdir) if "loss" in r}
 
 
 def resume_from_step_6(src, dst):
@@ -108,3 +112,35 @@ def test_checkpoint_of_one_process_resumes_in_two(runs):
   assert sorted(got) == list(range(1, 11))
   for s in range(7, 11):
     assert abs(got[s] - uninterrupted[s]) < 1e-5, (s, got[s], uninterrupted[s])
+
+
+PPO = "--config=configs/rlhf/ppo.py:tiny"
+PPO_OVERRIDES = {"total_steps": 2, "checkpoint_every": 2, "batch_size": 16, "ppo.minibatches": 2, "ppo.epochs": 2,
+                 "ppo.prompt_len": 8, "ppo.max_new_tokens": 8, "ppo.ptx_coef": 0.05, "model.num_layers": 1,
+                 "data.seq_len": 16, "mesh.fsdp": 2, "mesh.tensor": 2}
+
+
+def is_timing(key: str) -> bool:
+  """A wall-clock field (rollout_s, compile_s, tokens_per_sec, ...): differs between any two runs."""
+  return key.endswith(("_s", "_per_sec"))
+
+
+def test_ppo_on_two_processes_matches_one_process(shared_data, tmp_path):
+  """Rollouts are sampled from the same params with the same seed on every host, each host scores and updates its
+  part: 2 processes x 4 devices log the iterations of 1 process x 8."""
+  from lm_jax import config_lib
+  from lm_jax.data import tokenizer
+  lines = tmp_path / "lines.txt"
+  lines.write_text("".join((shared_data / "tiny_shakespeare" / "input.txt").read_text().splitlines(True)[:1000]))
+  overrides = dict(PPO_OVERRIDES, **{"data.files": str(lines), "ppo.prompts": str(lines)})
+  tokenizer.load_or_train(config_lib.load(PPO[len("--config="):], overrides), str(tmp_path / "tok"))
+  overrides["data.tokenizer"] = str(next((tmp_path / "tok").glob("*.model")))
+  two_processes(tmp_path / "two", overrides, PPO)
+  one_process(tmp_path / "one", overrides, 8, PPO)
+  two, one = _records(tmp_path / "two"), _records(tmp_path / "one")
+  assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2]
+  for a, b in zip(two, one):
+    assert set(a) == set(b)
+    for k in [k for k in a if not is_timing(k)]:
+      assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k, a[k], b[k])
+  assert (tmp_path / "two" / "checkpoints" / "2").is_dir() and (tmp_path / "two" / "policy" / "checkpoints").is_dir()

@@ -8,8 +8,10 @@ The field names are config.rlhf.prompt_field / response_field / chosen_field / r
 ignored (the toy files carry a "text" field to train a tokenizer from scratch with data.text_field="text"). A chat
 template config.rlhf.template wraps every prompt: "{prompt}" in it becomes the prompt's text. Splits take slice
 syntax (train[:90%]). A record that cannot be used (not JSON, a field missing or not a string, an empty prompt or
-response) is counted and skipped, like a bad document, and reported with its file and line (data/records.py). PPO's
-prompts (config.ppo.prompts, `prompts`) come through the same reader and the same template.
+response, a preference pair whose chosen response is the rejected one: nothing to learn from it) is counted and
+skipped, like a bad document, and reported with its file and line (data/records.py); a split is screened when it is
+opened, so one with no usable record stops the run in one line and a partly bad one is named in a warning at the
+start. PPO's prompts (config.ppo.prompts, `prompts`) come through the same reader and the same template.
 
 Each text is tokenized on its own; every response ends with the tokenizer's eos, so a model learns to stop. A
 sequence that does not fit keeps the end of its prompt and the start of its response (`fit`).
@@ -113,15 +115,22 @@ def prompts(config, tokenizer) -> list[list[int]]:
   return out
 
 
+def _problem(rec: Record) -> records_lib.Bad | None:
+  if not all(t.strip() for t in (rec.prompt, *rec.responses)):
+    return records_lib.Bad("empty", "a blank text")
+  return records_lib.Bad("identical", "chosen == rejected") if len(set(rec.responses)) < len(rec.responses) else None
+
+
 class Examples(tasks.TokenizedSplit):
   """Instruction or preference examples (Example: prompt, responses, index)."""
 
   def __init__(self, config, records_, tokenizer):
     super().__init__(records_, tokenizer, ())
     self._config = config
+    records_lib.screen(records_, _problem)
 
   def _tokenize(self, ids):
-    good = self._usable(ids, lambda rec: (rec.prompt, *rec.responses))
+    good = self._usable(ids, _problem)
     good = [(i, (prompt_text(self._config, rec.prompt), *rec.responses)) for i, rec in good]
     flat = self._tok.encode_batch([t for _, texts in good for t in texts]) if good else []
     k, eos = 0, self._tok.eos_id

@@ -22,7 +22,9 @@ missing; the others must be text). A record that cannot be used is `Bad(reason, 
 'malformed' (not JSON, a field missing or not text, too few columns) or 'undecodable' (mostly not UTF-8); a reader
 on top adds its own (an unknown label, an empty text). `where(i)` names record i (file:line, or the TFDS record), so
 whoever skips records counts them in a `Tally`, whose `report()` is the one line every split's problems are told in:
-the counts by reason and where the first few bad records are.
+the counts by reason and where the first few bad records are. `screen` looks at a split's records once before any is
+used, so that a split nothing can be learnt from stops the run before it compiles, and a partly bad one is reported
+at the start rather than at the end of an epoch.
 
 Invalid UTF-8 inside a record is replaced by U+FFFD byte by byte and the record kept (a warning names the file;
 `.decode_stats` counts them); a file with NUL bytes, or mostly not UTF-8, in its first block is refused as binary.
@@ -39,6 +41,7 @@ from lm_jax.data import tfds_prepare
 
 _FEW_RECORDS = 1000
 _FIRST = 3                                     # bad records a report names
+_SCREENED = 10_000                             # records screen() reads of a split read lazily (TFDS)
 _BLANK_LINE = re.compile(rb"\r?\n[ \t\r]*\n")
 _SLICE = re.compile(r"^([^\[\]]+)(?:\[(-?\d*%?):(-?\d*%?)\])?$")
 _TEXT_SUFFIXES = (".txt", ".raw", ".text")
@@ -54,8 +57,10 @@ class Bad:
 
 
 class Records:
-  """The records of one split by index (a slice gives a list); .path names the split, where(i) record i."""
+  """The records of one split by index (a slice gives a list); .path names the split, where(i) record i; lazy: each
+  record is read (and decoded) when asked for, rather than held in memory."""
   path = ""
+  lazy = False
 
   def __len__(self):
     raise NotImplementedError
@@ -109,6 +114,8 @@ class TfdsRecords(Records):
   decode_stats counts the records read so far; the first one with invalid UTF-8 logs a warning.
   """
 
+  lazy = True
+
   def __init__(self, source, fields, path: str, optional: tuple = ()):
     self._source, self._fields, self._optional, self.path = source, fields, optional, path
     self._replaced = {}
@@ -135,7 +142,7 @@ class TfdsRecords(Records):
 
 class _Mapped(Records):
   def __init__(self, records: Records, fn):
-    self._records, self._fn, self.path = records, fn, records.path
+    self._records, self._fn, self.path, self.lazy = records, fn, records.path, records.lazy
 
   def __len__(self):
     return len(self._records)
@@ -174,6 +181,25 @@ class Tally:
     """One line, '' when all was well: e.g. "dev.tsv (dev): 2 malformed of 40 records; first: dev.tsv:3: not JSON"."""
     bad = ", ".join(f"{n} {reason}" for reason, n in self.counts.items() if reason != "documents" and n)
     return bad and f"{self._records.path}: {bad} of {self.counts['documents']} records; first: {'; '.join(self.first)}"
+
+
+def screen(records: Records, problem) -> Tally:
+  """Looks at every record of a split once (the first _SCREENED of a lazy one) before any is used: problem(record)
+  gives the Bad of a record the reader on top cannot use, or None. No usable record is a ValueError naming the
+  reasons and the first bad records; some unusable ones are a warning that names them. Returns the tally."""
+  n = min(len(records), _SCREENED) if records.lazy else len(records)
+  tally = Tally(records)
+  usable = 0
+  for i in range(n):
+    record = records[i]
+    bad = record if isinstance(record, Bad) else problem(record)
+    tally.count(i, bad and bad.reason, bad and bad.detail)
+    usable += not bad
+  if not usable:
+    raise ValueError(f"no usable record in {tally.report()}")
+  if tally.report():
+    logging.warning("data: %s", tally.report())
+  return tally
 
 
 def read(split: str, fields, *, files: str = "", tfds_name: str = "", tfds_data_dir: str = "", optional: tuple = (),

@@ -13,7 +13,9 @@ answer (Example.segments: context, answers). Splits take TFDS slice syntax (trai
 
 A record that cannot be used (empty text, a malformed line, an unknown label) is counted and skipped, like a bad
 document, and reported with its file and line (data/records.py). A record without a label (a GLUE test split; TFDS
-marks it -1) is kept with label None: it gets a prediction but counts in no metric.
+marks it -1) is kept with label None: it gets a prediction but counts in no metric. Every split is screened when it is
+opened (records.screen): a split other than task.test_split with no labelled usable record (a .tsv without its label
+column) stops the run in one line; one with some bad records is named in a warning at the start.
 """
 import dataclasses
 import math
@@ -99,11 +101,13 @@ class _Labels:
     value = _number(raw, int)
     if value is not None and 0 <= value < self.num_labels:
       return value
-    return _bad_label(raw, f"not in 0..{self.num_labels - 1}" + (f" or {', '.join(self.names)}" if self.names else ""))
+    words = "" if self.names or _number(raw, float) is not None else "; label words need config.task.label_names"
+    return _bad_label(raw, f"not in 0..{self.num_labels - 1}" + (f" or {', '.join(self.names)}" if self.names else "")
+                      + words)
 
 
 def _bad_label(raw, why: str) -> records_lib.Bad:
-  return records_lib.Bad("malformed", f"label {raw!r} {why}")
+  return records_lib.Bad("malformed", f"label {raw} {why}")
 
 
 def _number(raw, kind):
@@ -147,16 +151,15 @@ class TokenizedSplit:
   def _tokenize(self, ids):
     raise NotImplementedError
 
-  def _usable(self, ids, texts) -> list:
-    """(id, record) of those records that are not Bad and whose texts(record) are none blank; the others are
-    skipped."""
+  def _usable(self, ids, problem) -> list:
+    """(id, record) of those records that are not Bad and in which problem(record) (a Bad or None) finds nothing
+    wrong; the others are skipped."""
     good = []
     for i in ids:
       rec = self.docs[i]
-      if isinstance(rec, records_lib.Bad):
-        self._skip(i, rec)
-      elif not all(t.strip() for t in texts(rec)):
-        self._skip(i, records_lib.Bad("empty", "a blank text"))
+      bad = rec if isinstance(rec, records_lib.Bad) else problem(rec)
+      if bad:
+        self._skip(i, bad)
       else:
         good.append((i, rec))
     return good
@@ -172,13 +175,15 @@ class TokenizedSplit:
 
 
 class Examples(TokenizedSplit):
-  """Task examples (Example: segments, label, index)."""
+  """Task examples (Example: segments, label, index). label_field: the label every record needs to be usable
+  (records.screen); '' on a split that may be unlabelled."""
 
-  def __init__(self, records_, tokenizer):
+  def __init__(self, records_, tokenizer, label_field: str):
     super().__init__(records_, tokenizer, ("undecodable", "unlabelled"))
+    records_lib.screen(records_, lambda rec: _problem(rec, label_field))
 
   def _tokenize(self, ids):
-    good = self._usable(ids, lambda rec: rec.texts)
+    good = self._usable(ids, lambda rec: _problem(rec, ""))   # unlabelled: kept, counted below
     flat = self._tok.encode_batch([t for _, rec in good for t in rec.texts]) if good else []
     k = 0
     for i, rec in good:
@@ -192,8 +197,17 @@ class Examples(TokenizedSplit):
       self._cache[i] = Example(segments, rec.label, i)
 
 
-def examples(config, split: str, tokenizer) -> Examples:
-  return Examples(records(config, split), tokenizer)
+def _problem(rec: Record, label_field: str) -> records_lib.Bad | None:
+  if not all(t.strip() for t in rec.texts):
+    return records_lib.Bad("empty", "a blank text")
+  return records_lib.Bad("unlabelled", f"no label {label_field!r}") if label_field and rec.label is None else None
+
+
+def examples(config, split: str, tokenizer, records_: records_lib.Records | None = None) -> Examples:
+  """The tokenized examples of `split` (its records, or `records_` made from them); every split but task.test_split
+  needs labels."""
+  found = records(config, split) if records_ is None else records_
+  return Examples(found, tokenizer, "" if split == config.task.test_split else config.task.label_field)
 
 
 def truncate(lengths: tuple, budget: int) -> tuple:

@@ -32,8 +32,9 @@ _NAMES = {  # special role -> piece names used by SentencePiece models and HF to
 class Tokenizer:
   """Text <-> ids plus the special ids a model family needs (None where the family has none)."""
 
-  def __init__(self, *, pieces, encode_batch, decode, specials, word_start, sentinels=None, serialized=None):
+  def __init__(self, *, pieces, encode_batch, decode, specials, word_start, sentinels=None, serialized=None, path=""):
     self._pieces = pieces
+    self.path = path                          # the file (or directory) it was read from
     self.serialized = serialized              # the SentencePiece model proto (bytes) or tokenizer.json (str)
     self._encode_batch = encode_batch
     self._decode = decode
@@ -88,7 +89,29 @@ class Tokenizer:
     return self._starts[np.clip(ids, 0, len(self._starts) - 1)]
 
 
-def _sentencepiece(proto: bytes, family: str) -> Tokenizer:
+def differences(a: Tokenizer, b: Tokenizer) -> str:
+  """'' when a and b give every id the same piece (the same tokenizer to a model, even if their files differ),
+  else how many ids differ and the first one. Equal sizes are not enough: two tokenizers trained on different text
+  have the same size and other pieces."""
+  x, y = a._pieces, b._pieces
+  if x == y:
+    return ""
+  differ = [i for i, (p, q) in enumerate(zip(x, y)) if p != q]
+  out = f"{len(differ) + abs(len(x) - len(y))} of {max(len(x), len(y))} ids differ"
+  return out + (f"; id {differ[0]} is {x[differ[0]]!r} in one, {y[differ[0]]!r} in the other" if differ else "")
+
+
+def check_same(tokenizer: Tokenizer, other_path: str, family: str, what: str, whose: str):
+  """One-line ValueError when the tokenizer at other_path (that of `what`, e.g. the reward model) is not `tokenizer`
+  (`whose`, e.g. the policy's): ids would mean other pieces in the two models."""
+  other = load(other_path, family)
+  diff = differences(tokenizer, other)
+  if diff:
+    raise ValueError(f"{what}: its tokenizer {other.path} is not {whose} {tokenizer.path} ({diff}); both models "
+                     "must use one tokenizer")
+
+
+def _sentencepiece(proto: bytes, family: str, path: str = "") -> Tokenizer:
   import sentencepiece as spm
   sp = spm.SentencePieceProcessor(model_proto=proto)
   pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
@@ -104,7 +127,7 @@ def _sentencepiece(proto: bytes, family: str) -> Tokenizer:
   _check_family(specials, family, "SentencePiece model")
   return Tokenizer(pieces=pieces, encode_batch=lambda t: sp.encode(t, num_threads=min(len(t) // 16 + 1, os.cpu_count() or 1)),
                    decode=sp.decode, specials=specials, word_start=lambda p: p.startswith("▁"),
-                   sentinels=sentinels, serialized=proto)
+                   sentinels=sentinels, serialized=proto, path=path)
 
 
 def _huggingface(path: pathlib.Path, family: str) -> Tokenizer:
@@ -144,7 +167,7 @@ def _huggingface(path: pathlib.Path, family: str) -> Tokenizer:
   _check_family(specials, family, str(path))
   encode = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
   return Tokenizer(pieces=pieces, encode_batch=encode, decode=tok.decode, specials=specials,
-                   word_start=word_start, sentinels=sentinels, serialized=tok.to_str())
+                   word_start=word_start, sentinels=sentinels, serialized=tok.to_str(), path=str(path))
 
 
 def _read_json(path: pathlib.Path) -> dict:
@@ -168,7 +191,7 @@ def load(path: str, family: str) -> Tokenizer:
       raise FileNotFoundError(f"config.data.tokenizer: {path} has no tokenizer.json, vocab.txt or *.model")
     p = models[0]
   if p.suffix == ".model":
-    return _sentencepiece(p.read_bytes(), family)
+    return _sentencepiece(p.read_bytes(), family, str(p))
   return _huggingface(p, family)
 
 
@@ -240,7 +263,7 @@ def load_or_train(config, workdir: str) -> Tokenizer:
       tmp = path.with_suffix(f".tmp{os.getpid()}")
       tmp.write_bytes(proto)
       tmp.replace(path)
-    tok = _sentencepiece(path.read_bytes(), family)
+    tok = _sentencepiece(path.read_bytes(), family, str(path))
   sentinels = num_sentinels(family)
   need = tok.vocab_size + sentinels
   if vocab < need:

@@ -142,7 +142,8 @@ def row_layout(config, tokenizer):
       width=seq_len, instances=lambda example, rng, other_doc: [example],
       assemble=lambda examples: build(examples, len(examples)),
       real_tokens=lambda ex: min(len(ex.segments[0]), seq_len - 1) + 1,
-      corpus=lambda split: tasks.Examples(text_records(config, split), tokenizer), padding=lambda n: build([], n))
+      corpus=lambda split: tasks.examples(config, split, tokenizer, text_records(config, split)),
+      padding=lambda n: build([], n))
 
 
 def features(config):

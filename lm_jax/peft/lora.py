@@ -47,12 +47,12 @@ def scale(config) -> float:
 def check(config):
   """One-line ValueError naming the config.lora field that cannot apply to config.model."""
   c = config.lora
+  if not isinstance(c.rank, int) or c.rank < 0:   # before enabled(): a negative rank must not turn LoRA off
+    raise ValueError(f"config.lora.rank must be a non-negative integer (0 = off), got {c.rank!r}")
   if not enabled(config):
     if c.get("qlora", False):
       raise ValueError("config.lora.qlora needs LoRA adapters: set config.lora.rank > 0")
     return
-  if not isinstance(c.rank, int) or c.rank < 0:
-    raise ValueError(f"config.lora.rank must be a non-negative integer (0 = off), got {c.rank!r}")
   if not c.alpha > 0:
     raise ValueError(f"config.lora.alpha must be positive, got {c.alpha!r}")
   if not 0.0 <= c.dropout < 1.0:

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lm_jax import (checkpoint, goodput, init_from, loop as loop_lib, metrics_log, models, params as params_lib,
                     sharding, step, train as train_lib, workdir_lock)
-from lm_jax.data import instructions, pipeline
+from lm_jax.data import instructions, pipeline, tokenizer as tokenizer_lib
 from lm_jax.models import layers
 from lm_jax.objectives import clm, rewards
 from lm_jax.rlhf import ppo_math, rollout, scoring, update
@@ -61,18 +61,21 @@ def _update_config(config, model, lr: float, freeze: tuple):
   return c
 
 
-def _reward_model(config):
-  """config.ppo.reward_from's model config (run with this run's runtime fields): decoder-only, num_labels = 1."""
+def _reward_model(config, tokenizer):
+  """config.ppo.reward_from's model config (run with this run's runtime fields): decoder-only, num_labels = 1, and
+  the policy's `tokenizer` (the same pieces at every id, not only as many)."""
   p, m = config.ppo, config.model
   if not (epath.Path(p.reward_from) / "checkpoints").is_dir():
     raise FileNotFoundError(f"config.ppo.reward_from={p.reward_from!r} is not a run's workdir (no checkpoints/ in it)")
-  model, _ = init_from.source_model(p.reward_from)
+  model, reward_tokenizer = init_from.source_model(p.reward_from)
   if models.family(model).layout != "decoder" or model.get("num_labels", 0) != 1:
     raise ValueError(f"config.ppo.reward_from={p.reward_from!r} holds a {model.family} model with num_labels="
                      f"{model.get('num_labels', 0)}; a reward model is decoder-only with num_labels = 1")
   if model.vocab_size != m.vocab_size:
     raise ValueError(f"config.ppo.reward_from={p.reward_from!r} has vocab_size {model.vocab_size}, the policy "
                      f"{m.vocab_size}: train the reward model from the policy's SFT workdir")
+  tokenizer_lib.check_same(tokenizer, reward_tokenizer, m.family, f"config.ppo.reward_from={p.reward_from!r}",
+                           "the policy's")
   with model.unlocked():
     model.update({k: m[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers")})
   return model
@@ -98,7 +101,7 @@ def build(config, workdir: str, devices=None) -> Run:
   initialises their params and the reward model's, and jits the scoring pass and the updates."""
   s = train_lib.setup(config, workdir, devices)
   c, p = s.config, s.config.ppo
-  reward_model = _reward_model(c) if p.reward_from else None
+  reward_model = _reward_model(c, s.tokenizer) if p.reward_from else None
   value_model = reward_model or layers.replace(c.model, num_labels=1)
   minibatch = c.batch_size // p.minibatches
   per_update = c.microbatches * math.prod(s.mesh.shape[a] for a in sharding.BATCH_AXES)
