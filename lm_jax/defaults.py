@@ -154,6 +154,7 @@ def model_defaults(family: str) -> ml_collections.ConfigDict:
   m.param_dtype = "float32"
   m.scan_layers = False
   m.remat_policy = "none"
+  m.attention = "xla"             # kernel: xla, cudnn (jax.nn.dot_product_attention, cuDNN on GPU), splash (TPU)
   m.pad_token_id = 0
   m.eos_token_id = 1
   m.decoder_start_token_id = 0

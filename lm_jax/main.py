@@ -18,9 +18,11 @@ from lm_jax import config_lib, metrics_log  # noqa: E402
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
 _MODE = flags.DEFINE_enum("mode", "train",
-                          ["train", "eval", "export", "summary", "generate", "fill_mask", "predict", "zeroshot"],
+                          ["train", "eval", "export", "summary", "generate", "fill_mask", "predict", "zeroshot",
+                           "compile"],
                           "what to do (predict: task.test_split predictions of a fine-tuned model as a TSV; "
-                          "zeroshot: GPT-1's zero-shot heuristics on config.task, docs/zeroshot.md)")
+                          "zeroshot: GPT-1's zero-shot heuristics on config.task, docs/zeroshot.md; compile: the "
+                          "train and eval steps compiled for --topology, docs/scale.md)")
 _EXPORT_DIR = flags.DEFINE_string("export_dir", None, "--mode=export: Hugging Face output directory")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "--mode=export: replace a non-empty --export_dir whole (without it "
                                 "one is refused)")
@@ -45,6 +47,14 @@ _THRESHOLD = flags.DEFINE_float("threshold", None, "--zeroshot=acceptability: a 
                                 "log-probability per token")
 _THRESHOLD_SPLIT = flags.DEFINE_string("threshold_split", "", "--zeroshot=acceptability: choose the threshold on "
                                        "this split (best Matthews correlation)")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "--mode=compile: e.g. v4-32, v5e-64, 2xv5e-256, h100-8 "
+                                "(lm_jax/topology.py)")
+_PLAN = flags.DEFINE_bool("plan", False, "--mode=compile: search mesh, microbatches, remat and scan for the fastest "
+                          "setting that fits")
+_PLAN_FITS = flags.DEFINE_integer("plan_fits", 3, "--plan: compile candidates until this many fit (at most twice as "
+                                  "many compiles)")
+_MFU = flags.DEFINE_float("mfu", 0.4, "--mode=compile: the MFU the predicted step time assumes")
+_REPORT_JSON = flags.DEFINE_string("report_json", "", "--mode=compile: also write the report as JSON here")
 
 
 def main(args):
@@ -61,6 +71,18 @@ def _run(config, mode):
   if mode == "summary":
     from lm_jax import summary
     summary.print_summary(config)
+    return
+  if mode == "compile":
+    if not _TOPOLOGY.value:
+      raise app.UsageError("--topology is required for --mode=compile (e.g. v4-8, v5e-16, h100-8)")
+    from lm_jax import topology
+    topology.prepare()   # before JAX starts a backend
+    from lm_jax import aot, plan
+    if _PLAN.value:
+      plan.run(config, _TOPOLOGY.value, mfu=_MFU.value, json_path=_REPORT_JSON.value, keep=_PLAN_FITS.value,
+               max_compiles=2 * _PLAN_FITS.value)
+    else:
+      aot.run(config, _TOPOLOGY.value, mfu=_MFU.value, json_path=_REPORT_JSON.value)
     return
   if not _WORKDIR.value:
     raise app.UsageError(f"--workdir is required for --mode={mode}")

@@ -53,6 +53,7 @@ class Estimate:
   opt_state: int
   grads: int
   activations: int
+  microbatches: int = 1
 
   @property
   def total(self) -> int:
@@ -172,12 +173,42 @@ def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
   params, param_count = param_bytes(abstract["params"], params_sh)
   mask = params_lib.trainable_mask(config)
   trainable = param_bytes(params_lib.split(abstract["params"], mask)[0], params_lib.split(params_sh, mask)[0])[1]
-  grads = 4 * trainable * (2 if config.microbatches > 1 else 1)
+  est = Estimate(mesh=mesh, rows=0, remat="", params=params, param_count=param_count,
+                 opt_state=_sharded_bytes(abstract_opt, opt_sh), grads=4 * trainable, activations=0)
+  return rescheduled(est, config)
+
+
+def rescheduled(est: Estimate, config) -> Estimate:
+  """`est` (same model, optimizer and mesh) for config's batch size, microbatches and remat policy, without
+  building the state layout again: only the rows, the gradient accumulator and the activations change."""
+  sizes, rules = dict(zip(sharding.AXES, est.mesh)), sharding.rules(config)
+  trainable_grads = est.grads // (2 if est.microbatches > 1 else 1)
   rows = -(-config.batch_size // (config.microbatches * _mesh_size(rules, sizes, "batch")))
   div = {name: _mesh_size(rules, sizes, name) for name in ("heads", "mlp", "vocab")}
-  return Estimate(mesh=mesh, rows=rows, remat=config.model.remat_policy, params=params, param_count=param_count,
-                  opt_state=_sharded_bytes(abstract_opt, opt_sh), grads=grads,
-                  activations=activation_bytes(config, rows, div))
+  return dataclasses.replace(est, rows=rows, remat=config.model.remat_policy, microbatches=config.microbatches,
+                             grads=trainable_grads * (2 if config.microbatches > 1 else 1),
+                             activations=activation_bytes(config, rows, div))
+
+
+def compiled_line(analysis, est: Estimate) -> str:
+  """The trainer's start-up line: the compiled step's per-device memory (compiled.memory_analysis()) next to this
+  module's estimate, in MiB."""
+  a = analysis
+  total = (a.argument_size_in_bytes + a.output_size_in_bytes - a.alias_size_in_bytes + a.temp_size_in_bytes
+           + a.generated_code_size_in_bytes)
+  mib = lambda b: f"{b / 2**20:.1f}"
+  return (f"memory per device (MiB): compiled step arguments {mib(a.argument_size_in_bytes)} (params, optimizer "
+          f"state, batch), outputs {mib(a.output_size_in_bytes)} (aliased {mib(a.alias_size_in_bytes)}), temporaries "
+          f"{mib(a.temp_size_in_bytes)}, code {mib(a.generated_code_size_in_bytes)}, total {mib(total)} | "
+          f"lm_jax.memory: params {mib(est.params)}, optimizer state {mib(est.opt_state)}, gradients "
+          f"{mib(est.grads)}, activations {mib(est.activations)}, total {mib(est.total)}")
+
+
+def device_stats(device) -> dict:
+  """Memory in use and its peak on `device` in GiB (jax.Device.memory_stats: GPU, TPU), {} where not reported."""
+  stats = device.memory_stats() or {}
+  names = {"bytes_in_use": "device_memory_gib", "peak_bytes_in_use": "device_memory_peak_gib"}
+  return {name: stats[key] / GiB for key, name in names.items() if key in stats}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ weights ('embed', 'mlp') are split over fsdp and tensor.
 import jax
 import numpy as np
 from flax import linen as nn
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
@@ -48,12 +49,24 @@ def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
 
 def make_mesh(config, devices=None) -> Mesh:
   """Mesh over all devices (or `devices`), Auto axis types so logical constraints work
-  (docs/toolchain.md#mesh-axis-types)."""
+  (docs/toolchain.md#mesh-axis-types). TPU devices are laid out along the physical torus
+  (mesh_utils.create_device_mesh); several slices get a hybrid mesh whose `data` axis spans the slices, so only
+  the data-parallel gradient reduction crosses the slower data-center network."""
   devices = jax.devices() if devices is None else list(devices)
   shape = mesh_shape(config, len(devices))
-  if len(devices) == jax.device_count():  # topology-aware device order on TPU/GPU
+  slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+  if devices[0].platform == "tpu" and slices > 1:
+    if shape[0] % slices:
+      raise ValueError(f"config.mesh.data={shape[0]} must be a multiple of the {slices} TPU slices")
+    ici = (shape[0] // slices, *shape[1:])
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices, allow_split_physical_axes=True)
+  elif devices[0].platform == "tpu":
+    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+  elif len(devices) == jax.device_count():  # topology-aware device order on GPU
     return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
-  return Mesh(np.array(devices).reshape(shape), AXES)
+  else:
+    grid = np.array(devices).reshape(shape)
+  return Mesh(grid, AXES)
 
 
 def _is_spec(x):

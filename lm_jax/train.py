@@ -13,8 +13,8 @@ from flax import linen as nn
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from lm_jax import (checkpoint, config_lib, goodput, hardware, init_from, lm_eval_adapter, loop, metrics_log,
-                    objectives, params as params_lib, predict, sharding, step, workdir_lock)
+from lm_jax import (checkpoint, config_lib, goodput, hardware, init_from, lm_eval_adapter, loop, memory,
+                    metrics_log, objectives, params as params_lib, predict, sharding, step, workdir_lock)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.hf import export
 
@@ -92,17 +92,19 @@ def _record(s: Setup, peak: float) -> Callable:
   tokens, flops = (s.config.batch_size * f(s.config) for f in (s.objective.tokens_per_example,
                                                                s.objective.flops_per_example))
 
+  device = s.mesh.devices.flat[0]
+
   def record(host: list[dict], seconds: float) -> dict:
     last = dict(host[-1])
     return {"loss": last.pop("loss"), "lr": last.pop("lr"), **last, "tokens_per_sec": tokens / seconds,
-            "mfu": flops / seconds / peak}
+            "mfu": flops / seconds / peak, **memory.device_stats(device)}
   return record
 
 
 def _loop(s: Setup, state, start: int, mngr, train_it, log, ledger) -> tuple[dict, dict]:
   """Steps start+1 .. end on the log / eval / checkpoint / preemption schedules (lm_jax.loop)."""
   c = s.config
-  train_step = step.make_train_step(c, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
+  train_step = compile_train_step(s)
   evaluator = make_evaluator(s) if c.eval_every else None
   batch_sh = sharding.batch_sharding(s.mesh)
   peak, source = hardware.peak(list(s.mesh.devices.flat), c.peak_tflops)
@@ -117,6 +119,22 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log, ledger) -> tuple[dic
   batches = ledger.waited(train_it)   # the time in next() is the data wait
   train_one = lambda state, i: train_step(state, sharding.global_batch(next(batches), batch_sh))
   return loop.run(schedules, train_one, state, start, c.phase_end_step or c.total_steps)
+
+
+def compile_train_step(s: Setup) -> Callable:
+  """The train step, compiled once at its first call (inside the first step's window, where the time split books
+  compilations) from that call's arguments; its per-device memory is printed then, next to lm_jax.memory's
+  estimate, and the compiled executable runs every step."""
+  jitted = step.make_train_step(s.config, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
+  compiled = []
+
+  def train_step(state, batch):
+    if not compiled:
+      compiled.append(jitted.lower(state, batch).compile())
+      est = memory.estimate(s.config, mesh=tuple(s.mesh.shape[a] for a in sharding.AXES))
+      loop.say(memory.compiled_line(compiled[0].memory_analysis(), est))
+    return compiled[0](state, batch)
+  return train_step
 
 
 # ----------------------------------------------------------------------------------------------- entry points

@@ -60,6 +60,11 @@ def validate(model_cfg) -> None:
                       ("remat_policy", layers.REMAT_POLICIES)):
     if get(name) not in known:
       raise ValueError(f"unknown model.{name} {get(name)!r}; known: {', '.join(known)}")
+  if get("attention", "xla") not in layers.ATTENTION_KERNELS:
+    raise ValueError(f"unknown model.attention {get('attention')!r}; known: {', '.join(layers.ATTENTION_KERNELS)}")
+  if get("attention", "xla") != "xla" and get("attention_dropout_rate", 0.0) > 0:
+    raise ValueError(f"model.attention={get('attention')!r} has no dropout on the attention probabilities: set "
+                     "model.attention_dropout_rate=0 or model.attention='xla'")
   for name in ("dropout_rate", "attention_dropout_rate"):
     if not 0.0 <= get(name, 0.0) < 1.0:
       raise ValueError(f"model.{name} must be in [0, 1), got {get(name)!r}")
@@ -102,7 +107,8 @@ def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None,
     raise ValueError("models.apply(train=True) needs an rng for dropout")
   cfg = layers.frozen(model_cfg)
   rngs = {"dropout": rng} if train else {}
-  return family(cfg).Model(cfg).apply(variables, batch, train=train, rngs=rngs)
+  with layers.attention_kernel(cfg.get("attention", "xla"), family(cfg).layout == "decoder"):
+    return family(cfg).Model(cfg).apply(variables, batch, train=train, rngs=rngs)
 
 
 def init_cache(model_cfg, params: dict, batch: dict, max_length: int) -> dict:

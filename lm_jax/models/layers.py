@@ -14,6 +14,8 @@ KV cache: an explicit pytree, no flax 'cache' collection. `Attention` takes one 
 the whole buffer (the caller's mask hides unwritten slots); `stack` slices a cache stacked on a
 leading layer axis and restacks the updated one.
 """
+import contextlib
+import contextvars
 import functools
 import math
 import re
@@ -24,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from lm_jax.models import nf4
 
@@ -252,22 +256,58 @@ def _add_batch_shared_bwd(_, g):
 add_batch_shared.defvjp(_add_batch_shared_fwd, _add_batch_shared_bwd)
 
 
+ATTENTION_KERNELS = ("xla", "cudnn", "splash")
+_KERNEL = contextvars.ContextVar("attention_kernel", default=("xla", False))
+_PLATFORM = contextvars.ContextVar("attention_platform", default=None)
+
+
+@contextlib.contextmanager
+def attention_kernel(name: str, causal: bool):
+  """Inside, dot_product_attention uses kernel `name` (ATTENTION_KERNELS; config.model.attention) for a model whose
+  self-attention is `causal`; models.apply sets it from the config."""
+  token = _KERNEL.set((name, causal))
+  try:
+    yield
+  finally:
+    _KERNEL.reset(token)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+  """Inside, the kernels are chosen for `platform` ('tpu', 'gpu') rather than the backend this process runs on:
+  lm_jax.aot compiles for a topology from a CPU host."""
+  token = _PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _PLATFORM.reset(token)
+
+
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
                           bias: jax.Array | None = None, scale: float | None = None,
                           dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None) -> jax.Array:
   """softmax(scale q k^T + bias, masked) v for q (B,T,H,Dh), k/v (B,S,H,Dh); mask/bias (B|1,H|1,T,S).
 
-  Off the CPU and without dropout it is jax.nn.dot_product_attention (fused kernels where the backend
-  has them); dropout on the probabilities needs the explicit form, which on a CPU is also the faster
-  one (bench/README.md#measurements-behind-design-choices). Logits and softmax are float32; a fully
-  masked row gives a uniform average, never NaN.
+  The kernel is the model's (attention_kernel): 'xla' the explicit form below, which materialises the float32
+  (B, H, T, S) probabilities; 'cudnn' jax.nn.dot_product_attention, cuDNN's fused flash attention on GPU (XLA's
+  form elsewhere); 'splash' Pallas splash attention on TPU (interpreted elsewhere), which never materialises the
+  probabilities. Dropout on the probabilities (models.validate refuses it with the fused kernels) and decoding with
+  a cache (T != S) take the explicit form. Logits and softmax are float32; a fully masked row gives a uniform
+  average, never NaN (explicit form).
   """
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   use_dropout = dropout_rng is not None and dropout_rate > 0.0
-  if not use_dropout and jax.default_backend() != "cpu":
+  kernel, causal = _KERNEL.get()
+  platform = _PLATFORM.get() or jax.default_backend()
+  if kernel == "cudnn" and not use_dropout:
+    bias = None if bias is None else bias.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
+                                        implementation="cudnn" if platform in ("gpu", "cuda") else None)
+  if kernel == "splash" and not use_dropout and q.shape[1] == k.shape[1]:
     if bias is not None:
-      bias = bias.astype(q.dtype)
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
+      raise ValueError("model.attention='splash' takes no attention bias (T5's relative positions): use xla or "
+                       "cudnn")
+    return _splash(q, k, v, mask, scale, causal, interpret=platform != "tpu")
   logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
   if bias is not None:
     bias = bias.astype(jnp.float32)
@@ -279,6 +319,39 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax
   if use_dropout:
     probs = dropout(probs, dropout_rate, dropout_rng)
   return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
+
+
+def _splash(q, k, v, mask, scale, causal: bool, interpret: bool):
+  """Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) per example. Its mask is static (causal or
+  full) plus segment ids: `mask` must be causal-and/or-key-padding, which is what the models build; a key is
+  valid where any query sees it, a query where it sees any key (a padding query then attends padding keys: its
+  output is never read)."""
+  B, T = q.shape[:2]
+  if T % 128:
+    raise ValueError(f"model.attention='splash' needs a sequence length that is a multiple of 128, got {T}")
+  block = next(b for b in (512, 256, 128) if T % b == 0)
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  one = splash_mask.CausalMask((T, T)) if causal else splash_mask.FullMask((T, T))
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+  q, k, v = heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v)
+  if mask is None:
+    mask = jnp.ones((B, 1, T, T), bool)
+  mask = jnp.broadcast_to(mask, (B, mask.shape[1], T, T))
+  q_ids, kv_ids = (jnp.any(mask, axis=axes).astype(jnp.int32) for axes in ((1, 3), (1, 2)))
+
+  def run(q, k, v, q_ids, kv_ids):   # q (examples, heads, T, D) of one device
+    fn = splash.make_splash_mha(splash_mask.MultiHeadMask([one] * q.shape[1]), block_sizes=sizes, head_shards=1,
+                                q_seq_shards=1, interpret=interpret)
+    return jax.vmap(fn)(q, k, v, segment_ids=splash.SegmentIds(q=q_ids, kv=kv_ids))
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:   # a Pallas kernel is not partitioned by XLA: each device runs it on its own examples and heads
+    spec = nn.logical_to_mesh_axes(("batch", "heads", "length", "kv"))
+    ids = nn.logical_to_mesh_axes(("batch", "length"))
+    run = jax.shard_map(run, mesh=mesh, in_specs=(spec, spec, spec, ids, ids), out_specs=spec, check_vma=False)
+  out = run(q, k, v, q_ids, kv_ids)
+  return heads_first(out)
 
 
 class Attention(nn.Module):
