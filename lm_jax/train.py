@@ -3,6 +3,7 @@ a loop of jitted steps on the schedules every trainer shares (lm_jax.loop: log, 
 resume) -> the final state. Dependencies: main and rlhf call it; it builds on loop, step, objectives, data,
 sharding, checkpoint.
 """
+import contextlib
 import dataclasses
 import os
 from typing import Callable
@@ -33,15 +34,19 @@ class Setup:
   state_sharding: dict       # their NamedShardings on `mesh`
 
 
-def setup(config, workdir: str, devices=None) -> Setup:
+def setup(config, workdir: str, devices=None, *, held: contextlib.ExitStack | None = None) -> Setup:
   """Validates the config (one-line errors before anything is built), then builds the run's parts. With
-  config.init_from the model architecture and tokenizer are the pre-trained model's (init_from.resolve)."""
+  config.init_from the model architecture and tokenizer are the pre-trained model's (init_from.resolve). A trainer
+  passes `held`, the stack its run holds: the workdir's lock (lm_jax.workdir_lock) goes into it once the config is
+  valid and before anything is written there, so a mistaken config leaves no trace and a second run writes nothing."""
   metrics_log.quiet_libraries()
   config = init_from.resolve(config)
   devices = jax.devices() if devices is None else list(devices)
   config_lib.validate(config, len(devices), jax.process_count())
   lm_eval_adapter.check(config)
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+  if held is not None:
+    held.enter_context(workdir_lock.hold(workdir))
   tokenizer = tokenizer_lib.load_or_train(config, workdir)
   mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
   tx, lr, abstract, state_sh = step.state_layout(config, mesh, rules)
@@ -138,7 +143,6 @@ def compile_train_step(s: Setup) -> Callable:
 
 
 # ----------------------------------------------------------------------------------------------- entry points
-@workdir_lock.holding   # one run per workdir
 def train(config, workdir: str, *, devices=None) -> dict:
   """Trains (or resumes) to config.phase_end_step or total_steps. Returns {'step', 'train': last train
   record, 'eval': last eval record, 'state': final train state}. An objective that trains on its own rollouts
@@ -146,8 +150,13 @@ def train(config, workdir: str, *, devices=None) -> dict:
   if objectives.get(config.objective).rollouts:
     raise ValueError(f"config.objective={config.objective!r} trains on rollouts: lm_jax.rlhf.ppo.train runs it "
                      "(python -m lm_jax.main picks it)")
+  with contextlib.ExitStack() as held:   # one run per workdir
+    return _train(config, workdir, devices, held)
+
+
+def _train(config, workdir: str, devices, held: contextlib.ExitStack) -> dict:
   ledger = goodput.Ledger()
-  s = setup(config, workdir, devices)
+  s = setup(config, workdir, devices, held=held)
   trainable, total = params_lib.count(s.config)
   loop.say(f"parameters: {trainable:,} trainable of {total:,}")
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)

@@ -1,7 +1,7 @@
-"""One run per workdir: the trainers (lm_jax.train.train, lm_jax.rlhf.ppo.train) hold WORKDIR/run.lock while they
-run, so a second run in the same workdir stops at start in one line naming the holder's host and pid, instead of both
-writing metrics.jsonl and checkpoints (one run's results lost). Read-only modes (eval, export, generate, predict,
-fill_mask, zeroshot, summary) take no lock.
+"""One run per workdir: the trainers (lm_jax.train.train, lm_jax.rlhf.ppo.train) hold WORKDIR/run.lock from the
+moment their config is valid (train.setup) to their end, so a second run in the same workdir stops at start in one
+line naming the holder's host and pid, instead of both writing metrics.jsonl and checkpoints (one run's results
+lost). Read-only modes (eval, export, generate, predict, fill_mask, zeroshot, summary) take no lock.
 
 The lock is the kernel's (flock) on an open file, not the file's existence: it goes with the holding process however
 that process ends, kill -9 included, so no lock is ever stale and none has to be guessed stale by age or pid. The
@@ -17,7 +17,6 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import functools
 import json
 import os
 import socket
@@ -87,11 +86,3 @@ def _describe(text: str) -> str:
   except (ValueError, TypeError, KeyError):   # it has locked the file and not written it yet
     return "another run that is starting"
 
-
-def holding(trainer):
-  """trainer(config, workdir, **kwargs), run holding workdir's lock."""
-  @functools.wraps(trainer)
-  def run(config, workdir: str, **kwargs):
-    with hold(workdir):
-      return trainer(config, workdir, **kwargs)
-  return run

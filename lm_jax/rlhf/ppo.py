@@ -23,6 +23,7 @@ the sampler key (prompts, samples and minibatch order derive from it), beta and 
 resumed run repeats the uninterrupted one. config.total_steps counts iterations; the optimizers count updates, so
 their schedules (and optimizer.warmup_steps) run over total_steps * epochs * minibatches updates.
 """
+import contextlib
 import dataclasses
 import math
 import time
@@ -35,7 +36,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lm_jax import (checkpoint, goodput, init_from, loop as loop_lib, metrics_log, models, params as params_lib,
-                    sharding, step, train as train_lib, workdir_lock)
+                    sharding, step, train as train_lib)
 from lm_jax.data import instructions, pipeline, tokenizer as tokenizer_lib
 from lm_jax.models import layers
 from lm_jax.objectives import clm, rewards
@@ -96,10 +97,11 @@ class Run:
   initial: dict            # params: policy (= the frozen reference), value, reward_model (None with an exact reward)
 
 
-def build(config, workdir: str, devices=None) -> Run:
-  """Validates the config (train.setup: one-line errors), reads the prompts, lays out both models, loads or
-  initialises their params and the reward model's, and jits the scoring pass and the updates."""
-  s = train_lib.setup(config, workdir, devices)
+def build(config, workdir: str, devices=None, *, held: contextlib.ExitStack | None = None) -> Run:
+  """Validates the config (train.setup: one-line errors; with `held`, the trainer's run, it takes the workdir's
+  lock), reads the prompts, lays out both models, loads or initialises their params and the reward model's, and jits
+  the scoring pass and the updates."""
+  s = train_lib.setup(config, workdir, devices, held=held)
   c, p = s.config, s.config.ppo
   reward_model = _reward_model(c, s.tokenizer) if p.reward_from else None
   value_model = reward_model or layers.replace(c.model, num_labels=1)
@@ -224,11 +226,11 @@ def _policy_workdir(run: Run, workdir: str):
   return mngr
 
 
-@workdir_lock.holding   # one run per workdir
 def train(config, workdir: str, *, devices=None) -> dict:
   """PPO iterations up to config.phase_end_step or total_steps, resuming the latest checkpoint in workdir ->
-  {'step', 'train': the last iteration's record, 'state': the PPO state}."""
-  return loop(build(config, workdir, devices), workdir)
+  {'step', 'train': the last iteration's record, 'state': the PPO state}. One run per workdir (train.setup)."""
+  with contextlib.ExitStack() as held:
+    return loop(build(config, workdir, devices, held=held), workdir)
 
 
 def loop(run: Run, workdir: str) -> dict:
