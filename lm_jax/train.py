@@ -97,7 +97,7 @@ def _record(s: Setup, peak: float) -> Callable:
   tokens, flops = (s.config.batch_size * f(s.config) for f in (s.objective.tokens_per_example,
                                                                s.objective.flops_per_example))
 
-  device = s.mesh.devices.flat[0]
+  device = next(d for d in s.mesh.devices.flat if d.process_index == jax.process_index())   # this host's
 
   def record(host: list[dict], seconds: float) -> dict:
     last = dict(host[-1])

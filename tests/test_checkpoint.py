@@ -97,16 +97,16 @@ def test_sigterm_and_kill_resume_exactly(shared_data, tmp_path):
 
 
 def test_non_finite_loss_is_never_saved(shared_data, tmp_path, monkeypatch):
-  make = train.step.make_train_step
+  make = train.compile_train_step
 
-  def poisoned(*args, **kwargs):
-    real = make(*args, **kwargs)
+  def poisoned(s):
+    real = make(s)
 
     def step(state, batch):
       state, metrics = real(state, batch)
       return state, dict(metrics, loss=jnp.where(state["step"] >= 6, jnp.nan, metrics["loss"]))
     return step
-  monkeypatch.setattr(train.step, "make_train_step", poisoned)
+  monkeypatch.setattr(train, "compile_train_step", poisoned)
   config = load_config("clm", shared_data, total_steps=12, log_every=4, eval_every=0, checkpoint_every=2)
   with pytest.raises(FloatingPointError, match="at step 6; not saved. Last good checkpoint: step 4"):
     train.train(config, str(tmp_path))
@@ -226,12 +226,12 @@ def _check_failed_save(error, directory, kept: list[int]):
 
 
 def test_full_disk_stops_the_run_at_once(shared_data, tmp_path, monkeypatch):
-  make = train.step.make_train_step
+  make = train.compile_train_step
 
-  def slow(*args, **kwargs):  # steps slower than the failing background save: the run must stop at the next one
-    real = make(*args, **kwargs)
+  def slow(s):  # steps slower than the failing background save: the run must stop at the next one
+    real = make(s)
     return lambda state, batch: (time.sleep(0.5), real(state, batch))[1]
-  monkeypatch.setattr(train.step, "make_train_step", slow)
+  monkeypatch.setattr(train, "compile_train_step", slow)
   _fail_json_writes_after(monkeypatch, 2)  # the save of step 3 succeeds, the one of step 6 fails
   config = load_config("clm", shared_data, **dict(SMALL, total_steps=12, keep_checkpoints=1))
   with pytest.raises(OSError) as error:
