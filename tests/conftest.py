@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from lm_jax import config_lib, metrics_log
@@ -65,3 +66,17 @@ def cli(*args, env=None, timeout=900):
 def records(workdir, kind="train"):
   recs = metrics_log.read(os.path.join(workdir, "metrics.jsonl"))
   return [r for r in recs if ("loss" in r) == (kind == "train")]
+
+
+def take(it, n):
+  """The next n batches of an iterator."""
+  return [next(it) for _ in range(n)]
+
+
+def same_batches(a, b):
+  """Two lists of batches are equal, key by key."""
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k], err_msg=k)

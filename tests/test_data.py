@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from conftest import same_batches, take
 from lm_jax import config_lib, objectives
 from lm_jax.data import nsp, packing, pipeline, records, sources, tfds_prepare, tokenizer
 
@@ -55,18 +56,6 @@ def _train_it(c, tok, **kw):
 
 def _eval_it(c, tok, **kw):
   return pipeline.make_eval_iterator(c, tok, objectives.get(c.objective), **kw)
-
-
-def _take(it, n):
-  return [next(it) for _ in range(n)]
-
-
-def _same(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
 # ------------------------------------------------------------------------------------------------ sources
@@ -201,16 +190,16 @@ def test_batches_have_exactly_the_objective_features(files, toks, objective, wit
 def test_same_seed_same_batches_and_resume_mid_epoch(files, toks, objective, with_nsp):
   c = _config(objective, files / ("tiny.txt" if with_nsp else "small.txt"), nsp_=with_nsp)
   make = lambda **kw: _train_it(c, toks[objective], window_rows=18, **kw)
-  reference = _take(make(prefetch=0), 12)
-  _same(_take(make(prefetch=3), 12), reference)           # prefetch thread changes nothing
+  reference = take(make(prefetch=0), 12)
+  same_batches(take(make(prefetch=3), 12), reference)           # prefetch thread changes nothing
   first = make(prefetch=2)
-  _take(first, 5)
+  take(first, 5)
   state = json.loads(json.dumps(first.get_state()))
   assert state["shards"]["0"]["window"] > 0 and state["shards"]["0"]["row"] > 0   # mid-window (18 rows, batches of 8)
   resumed = make(prefetch=2)
   resumed.set_state(state)
-  after = _take(resumed, 7)
-  _same(after, reference[5:])
+  after = take(resumed, 7)
+  same_batches(after, reference[5:])
   assert resumed.get_state()["shards"]["0"]["epoch"] >= 1                    # the check crossed an epoch boundary
   c.seed = 1
   assert not np.array_equal(next(make(prefetch=0))["input_ids"], reference[0]["input_ids"])
@@ -252,14 +241,14 @@ def test_the_global_batch_does_not_depend_on_the_number_of_hosts(files, toks, ob
   continues the stream on 1 host and on 2."""
   c = _config(objective, files / "small.txt", shards=shards)
   tok = toks[objective]
-  one = _take(_train_it(c, tok, window_rows=18, prefetch=0), 6)
+  one = take(_train_it(c, tok, window_rows=18, prefetch=0), 6)
   for hosts in (2, 4):
     its = [_train_it(c, tok, process_index=h, process_count=hosts, window_rows=18, prefetch=0) for h in range(hosts)]
-    parts = [_take(it, 6) for it in its]
-    _same([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(6)], one)
+    parts = [take(it, 6) for it in its]
+    same_batches([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(6)], one)
   its = [_train_it(c, tok, process_index=h, process_count=4, window_rows=18, prefetch=0) for h in range(4)]
   for it in its:
-    _take(it, 3)
+    take(it, 3)
   merged = {"batch_index": 3, "shards": {}}
   for it in its:
     merged["shards"].update(it.get_state()["shards"])
@@ -268,8 +257,8 @@ def test_the_global_batch_does_not_depend_on_the_number_of_hosts(files, toks, ob
                for h in range(hosts)]
     for it in resumed:
       it.set_state(json.loads(json.dumps(merged)))
-    parts = [_take(it, 3) for it in resumed]
-    _same([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(3)], one[3:])
+    parts = [take(it, 3) for it in resumed]
+    same_batches([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(3)], one[3:])
 
 
 def test_thin_data_is_reported(files, toks, tmp_path, caplog):
@@ -277,7 +266,7 @@ def test_thin_data_is_reported(files, toks, tmp_path, caplog):
   (tmp_path / "one.txt").write_text("To be, or not to be, that is the question.\n")
   c = _config("clm", tmp_path / "one.txt")
   with caplog.at_level("WARNING"):
-    _take(_train_it(c, toks["clm"], prefetch=0), 2)
+    take(_train_it(c, toks["clm"], prefetch=0), 2)
   warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
   assert any("% padding" in w and "one.txt" in w for w in warnings), warnings
   assert any("fewer rows than the 8" in w for w in warnings), warnings
@@ -302,7 +291,7 @@ def test_causal_rows_segments_positions_and_padding():
 
 def test_packed_pipeline_rows_score_no_padding(files, toks):
   c = _config("clm", files / "small.txt", shuffle=False)
-  batches = _take(_train_it(c, toks["clm"], prefetch=0), 8)
+  batches = take(_train_it(c, toks["clm"], prefetch=0), 8)
   for b in batches:
     pad = b["segment_ids"] == 0
     assert not b["weights"][pad].any() and (b["input_ids"][pad] == 0).all()
@@ -344,7 +333,7 @@ def test_nsp_instances_follow_document_structure():
 def test_nsp_pairs_half_random_and_within_length(files, toks):
   c = _config("mlm", files / "big.txt", nsp_=True, seq_len=64, batch=500)
   tok = toks["mlm"]
-  batches = _take(_train_it(c, tok, prefetch=0), 12)
+  batches = take(_train_it(c, tok, prefetch=0), 12)
   labels = np.concatenate([b["nsp_labels"] for b in batches])
   assert len(labels) == 6000 and abs(labels.mean() - 0.5) < 0.02
   for b in batches:
@@ -366,7 +355,7 @@ def test_eval_batches_are_finite_repeatable_and_split_across_hosts(files, toks):
   c.data.eval_split = "train[80%:]"
   one = _eval_it(c, toks["clm"])
   assert len(list(one)) == 3 and 1.5 < one.text_per_token["bytes"] < 4
-  _same(list(one), list(one))
+  same_batches(list(one), list(one))
   hosts = [list(_eval_it(c, toks["clm"], process_index=h, process_count=2)) for h in (0, 1)]
   for b, (h0, h1) in enumerate(zip(*hosts)):
     for k in h0:

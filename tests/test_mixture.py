@@ -9,7 +9,7 @@ import pytest
 
 from lm_jax import checkpoint, config_lib, objectives, train
 from lm_jax.data import mixture, pipeline, sources, tokenizer
-from conftest import load_config, records
+from conftest import load_config, records, same_batches, take
 
 CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
 WEIGHTS = (3.0, 1.0)
@@ -45,18 +45,6 @@ def _train_it(c, tok, **kw):
   return pipeline.make_train_iterator(c, tok, objectives.get(c.objective), window_rows=18, **kw)
 
 
-def _take(it, n):
-  return [next(it) for _ in range(n)]
-
-
-def _same(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
-
-
 def test_tokenizer_text_takes_each_source_by_weight(shared_data):
   lines = sources.training_text(_config("clm", shared_data), 40_000)
   wiki = sum(len(line) for line in lines if line.startswith(" "))   # every WikiText line starts with a space
@@ -68,7 +56,7 @@ def test_two_sources_give_their_weights_in_their_own_order(shared_data, toks):
   mixture of that source alone gives."""
   c = _config("clm", shared_data)
   it = _train_it(c, toks["clm"], prefetch=0)
-  batches = _take(it, 150)
+  batches = take(it, 150)
   rows = it.get_state()["shards"]["0"]["rows"]
   n = 150 * c.batch_size
   assert rows["shakespeare"] + rows["wiki"] == n
@@ -80,7 +68,7 @@ def test_two_sources_give_their_weights_in_their_own_order(shared_data, toks):
     alone = _config("clm", shared_data)
     alone.data.mixture = (c.data.mixture[j],)
     own = _train_it(alone, toks["clm"], prefetch=0)
-    expected = np.concatenate([b["input_ids"] for b in _take(own, -(-rows[name] // c.batch_size))])
+    expected = np.concatenate([b["input_ids"] for b in take(own, -(-rows[name] // c.batch_size))])
     np.testing.assert_array_equal(mixed[which == j], expected[:rows[name]])
 
 
@@ -93,34 +81,34 @@ def test_the_same_stream_on_1_2_and_4_hosts(shared_data, toks, objective, nsp, s
   checkpoint.data_state merges it, continues the stream on 1 host and on 2."""
   c = _config(objective, shared_data, shards=shards, nsp=nsp)
   tok = toks[objective]
-  one = _take(_train_it(c, tok, prefetch=0), 6)
+  one = take(_train_it(c, tok, prefetch=0), 6)
   for hosts in (2, 4):
-    parts = [_take(_train_it(c, tok, process_index=h, process_count=hosts, prefetch=0), 6) for h in range(hosts)]
-    _same([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(6)], one)
+    parts = [take(_train_it(c, tok, process_index=h, process_count=hosts, prefetch=0), 6) for h in range(hosts)]
+    same_batches([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(6)], one)
   its = [_train_it(c, tok, process_index=h, process_count=4, prefetch=0) for h in range(4)]
   merged = {"batch_index": 3, "shards": {}}
   for it in its:
-    _take(it, 3)
+    take(it, 3)
     merged["shards"].update(it.get_state()["shards"])
   assert set(merged["shards"]) == {str(k) for k in range(shards)}
   for hosts in (1, 2):
     resumed = [_train_it(c, tok, process_index=h, process_count=hosts, prefetch=0) for h in range(hosts)]
     for it in resumed:
       it.set_state(json.loads(json.dumps(merged)))
-    parts = [_take(it, 3) for it in resumed]
-    _same([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(3)], one[3:])
+    parts = [take(it, 3) for it in resumed]
+    same_batches([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(3)], one[3:])
 
 
 def test_exact_resume_across_epochs(shared_data, toks):
   """A state taken mid-window (prefetching) resumes the exact stream, also past the sources' epoch ends."""
   c = _config("mlm", shared_data, nsp=True, train_slices=("40", "8"))   # a few documents: epochs end soon
-  reference = _take(_train_it(c, toks["mlm"], prefetch=0), 30)
+  reference = take(_train_it(c, toks["mlm"], prefetch=0), 30)
   first = _train_it(c, toks["mlm"], prefetch=2)
-  _take(first, 5)
+  take(first, 5)
   state = json.loads(json.dumps(first.get_state()))
   resumed = _train_it(c, toks["mlm"], prefetch=2)
   resumed.set_state(state)
-  _same(_take(resumed, 25), reference[5:])
+  same_batches(take(resumed, 25), reference[5:])
   epochs = {name: s["epoch"] for name, s in resumed.get_state()["shards"]["0"]["sources"].items()}
   assert min(epochs.values()) >= 1, epochs
   first.close()
