@@ -27,13 +27,12 @@ from jax.experimental import multihost_utils
 
 from lm_jax import metrics_log
 from lm_jax.data import mixture
+from lm_jax.peft import methods
 
 # Model fields that change how the model runs, not which parameters it has: free to differ on resume.
 RUNTIME_MODEL_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "remat_policy")
 # Data fields the train iterator's position does not depend on.
 EVAL_DATA_FIELDS = ("eval_split", "eval_batches", "tfds_data_dir")
-# Config groups that decide which parameters train as adapters (lm_jax.peft): part of the state's layout.
-ADAPTER_GROUPS = ("lora", "ia3")
 
 
 def directory(workdir: str) -> epath.Path:
@@ -253,10 +252,10 @@ def check_state(saved_tree, abstract_state, saved_config: dict, config, what: st
 
 
 def _check_adapters(saved_config: dict, config, what: str):
-  """One-line error when the checkpoint was trained with other adapters (config.lora, config.ia3) than the config
-  has: the usual cause of a state that does not fit when evaluating or exporting an adapter run."""
+  """One-line error when the checkpoint was trained with other adapters (the config groups of peft.methods) than the
+  config has: the usual cause of a state that does not fit when evaluating or exporting an adapter run."""
   now = _plain(config)
-  for group in ADAPTER_GROUPS:
+  for group in methods.METHODS:
     old, new = saved_config.get(group) or {}, now.get(group) or {}
     fields = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if fields:
