@@ -265,6 +265,9 @@ class _Knobs(NamedTuple):   # traced: a change does not recompile
   penalty: jax.Array         # (max_new_tokens,) generated length ** length_penalty
 
 
+_output_major = jax.jit(layers.output_major)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _generate(cfg, opts, params, ids, mask, key, knobs):
   cfg, params = layers.unscanned(cfg, params)   # once, not per step
@@ -322,6 +325,8 @@ def generate(model_cfg, params, prompts_ids, *, max_new_tokens: int, method: str
   knobs = _Knobs(np.int32(-1 if eos_id is None else eos_id), np.int32(pad_id), np.bool_(method == "sample"),
                  np.int32({False: 0, True: 1, "never": 2}[early_stopping]), np.float32(temperature),
                  np.int32(top_k), np.float32(top_p), penalty)
+  if jax.default_backend() == "cpu":
+    params = _output_major(params)
   tokens, lengths = _generate(cfg, opts, params, ids, mask, jax.random.key(seed), knobs)
   return [row[:length].tolist() for row, length in zip(np.asarray(tokens), np.asarray(lengths))]
 

@@ -155,6 +155,17 @@ class Dense(nn.Module):
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
     if self.has_variable(QUANTISED, "kernel"):
       y = nf4.matmul(x, self.get_variable(QUANTISED, "kernel"), contract, self.dtype)
+    elif self.has_variable("params", "kernel_t"):   # decoding's output-major copy (output_major): axes reversed
+      # as one (outputs, inputs) matrix contracted on its last axis: XLA would copy a kernel of more axes into the
+      # input-major form each step; only x and y (a few rows) are transposed
+      lead, n_out = x.ndim - n_in, len(features)
+      x = jnp.transpose(x, tuple(range(lead)) + tuple(range(x.ndim - 1, lead - 1, -1)))
+      x = x.reshape(x.shape[:lead] + (-1,)).astype(self.dtype)
+      kernel = self.get_variable("params", "kernel_t")
+      kernel = kernel.reshape(math.prod(features), -1).astype(self.dtype)
+      y = jax.lax.dot_general(x, kernel, (((lead,), (1,)), ((), ())))
+      y = y.reshape(y.shape[:lead] + features[::-1])
+      y = jnp.transpose(y, tuple(range(lead)) + tuple(range(lead + n_out - 1, lead - 1, -1)))
     else:
       kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, tuple(self.axes)),
                           shape, self.param_dtype)
@@ -575,6 +586,23 @@ def unscanned(cfg, params: dict) -> tuple[ml_collections.FrozenConfigDict, dict]
     n = jax.tree.leaves(tree["layers"])[0].shape[0]
     return {**rest, **put_layers(get_layers(tree, n), scan=False)}
   return frozen(replace(cfg, scan_layers=False)), split(params)
+
+
+def output_major(params: dict) -> dict:
+  """params with each Dense kernel also stored with its axes reversed, outputs first ('kernel_t', which Dense then
+  reads; a scanned stack keeps its leading layer axis): a decode step multiplies a few rows by every weight, and on
+  a CPU XLA's product streams an output-major weight 1.2-1.9x faster than the input-major one it was trained in
+  (bench/README.md, decode.py). Call it (jitted) outside the decoding program: inside, XLA would lay the copy out
+  as the original and copy it back every step."""
+  def walk(tree, stacked):
+    if not isinstance(tree, dict):
+      return tree
+    out = {k: walk(v, stacked or k == "layers") for k, v in tree.items()}
+    kernel = tree.get("kernel")
+    if isinstance(kernel, jax.Array | np.ndarray) and kernel.ndim - stacked >= 2:
+      out["kernel_t"] = jnp.transpose(kernel, tuple(range(stacked)) + tuple(range(kernel.ndim - 1, stacked - 1, -1)))
+    return out
+  return walk(params, False)
 
 
 def relayout(tree, scan: bool):
