@@ -123,7 +123,7 @@ def worker_ours(args):
   from lm_jax import decoding
   from lm_jax.hf import export
   m, params = export.load_hf(args.dir, dtype=args.dtype)
-  out = {"xla_bytes": {}, "cases": {}}
+  out = {"xla_bytes": {}, "dots_ms": {}, "cases": {}}
   for batch, method in _cases(args):
     prompts = _prompts(args, batch)
     kw = dict(method=method, num_beams=args.num_beams, pad_id=0, seed=0)
@@ -138,15 +138,62 @@ def worker_ours(args):
     rows = batch * (args.num_beams if method == "beam" else 1)
     if rows not in out["xla_bytes"]:
       out["xla_bytes"][rows] = xla_step_bytes(m, params, rows, args)
+      out["dots_ms"][rows] = products_ms(m, params, rows, args)
     print(f"  ours {args.model} {method} batch {batch}: {step_ms:.1f} ms/step", file=sys.stderr, flush=True)
   return out
 
 
+def step_matrices(m, params) -> list:
+  """The weight matrices a token step multiplies its rows by, as generate holds them (output-major on a CPU: layers.
+  output_major), each (outputs, inputs): the layers' kernels and the LM head; not the encoder, the cross-attention
+  key / value kernels (their products are cached) or the position tables (a step reads a row)."""
+  import jax
+  from lm_jax.models import layers
+  cpu = jax.default_backend() == "cpu"
+  params = jax.jit(layers.output_major)(params) if cpu else params
+  mats = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    keys = [getattr(k, "key", str(k)) for k in path]
+    name = "/".join(keys)
+    if keys[0] == "encoder" or ("cross_attention" in name and ("/key/" in name or "/value/" in name)):
+      continue
+    if keys[-1] == ("kernel_t" if cpu else "kernel"):
+      mats.append(leaf.reshape(-1, leaf.shape[-1]) if cpu else leaf.reshape(-1, leaf.shape[-1]).T)
+    elif keys[-1] == "embedding" and keys[0] in ("word_embeddings", "shared") and m.get("tie_embeddings", True):
+      mats.append(leaf)   # the tied LM head, x @ table.T
+  return mats
+
+
+def products_ms(m, params, rows, args) -> float:
+  """ms of a token step's weight products alone (step_matrices, `rows` rows each, as XLA runs ours: one jitted
+  loop, 16 steps, median of 5): the matmul kernels' own time for these shapes, beside the floor."""
+  import jax
+  import jax.numpy as jnp
+  mats = step_matrices(m, params)
+  xs = {w.shape[1]: jnp.ones((rows, w.shape[1]), w.dtype) for w in mats}
+
+  def step(i, c):   # every product's input depends on the carry: nothing is hoisted out of the loop
+    outs = [jax.lax.dot_general(xs[w.shape[1]] * (1 + c), w, (((1,), (1,)), ((), ()))) for w in mats]
+    return c + 1e-30 * sum(o[0, 0] for o in outs)
+  loop = jax.jit(lambda mats: jax.lax.fori_loop(0, 16, step, jnp.zeros((), mats[0].dtype)))
+  loop(mats).block_until_ready()
+  times = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    loop(mats).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times) / 16
+
+
 def xla_step_bytes(m, params, rows, args) -> float:
-  """XLA's bytes accessed by one decode step (one token per row, the cache generate allocates, donated)."""
+  """XLA's bytes accessed by one decode step (one token per row, the cache generate allocates, donated; the params
+  as generate holds them)."""
   import jax
   import jax.numpy as jnp
   from lm_jax import models
+  from lm_jax.models import layers
+  if jax.default_backend() == "cpu":
+    params = jax.jit(layers.output_major)(params)
   shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
   if models.family(m).layout == "decoder":
     batch = {"input_ids": shape(rows, args.prompt_len)}
@@ -285,7 +332,8 @@ def main():
       rows.append(line(model, m, batch, method, res, machine, args))
       print(rows[-1], flush=True)
   print(f"\n{HEADER}\n" + "\n".join(rows))
-  print("ms = per token step; floor = max(GB / bandwidth, GFLOP / matmul rate); at = floor / ours; "
+  print("ms = per token step; floor = max(GB / bandwidth, GFLOP / matmul rate); dots = the step's weight products "
+        "alone, as XLA runs ours; at = floor / ours; "
         "hf/ours = transformers' ms / ours; xla GB = XLA's bytes accessed by one of our steps; "
         "cpu = ours' CPU-seconds per wall-second; the floor's rates and the 1-minute load average are measured right "
         "after ours' timing of that row")
@@ -294,7 +342,7 @@ def main():
       json.dump(dump, f, indent=1)
 
 
-HEADER = (f"{'model':5s} {'method':6s} {'batch':>5s} {'ours ms':>8s} {'hf ms':>7s} {'floor ms':>8s} {'GB':>6s} "
+HEADER = (f"{'model':5s} {'method':6s} {'batch':>5s} {'ours ms':>8s} {'hf ms':>7s} {'floor ms':>8s} {'dots ms':>7s} {'GB':>6s} "
           f"{'GFLOP':>6s} {'at':>5s} {'hf/ours':>7s} {'same':>4s} {'xla GB':>6s} {'compile':>7s} {'cpu':>4s} "
           f"{'load':>4s}")
 
@@ -309,11 +357,12 @@ def line(model, m, batch, method, res, machine, args) -> str:
   floor = 1e3 * max(nbytes / machine["bandwidth"], flop / machine["matmul"])
   same = "-" if not (ours and hf) or method == "sample" else "yes" if ours["tokens"] == hf["tokens"] else "NO"
   xla = (res.get("ours") or {}).get("xla_bytes", {}).get(str(rows))
+  dots = (res.get("ours") or {}).get("dots_ms", {}).get(str(rows))
   at = ours and floor / ours["step_ms"]
   speedup = ours and hf and hf["step_ms"] / ours["step_ms"]
   load = ours and ours["load"][0]
   return (f"{model:5s} {method:6s} {batch:5d} {fmt(ours and ours['step_ms'], '8.1f')} "
-          f"{fmt(hf and hf['step_ms'], '7.1f')} {floor:8.1f} {nbytes / 1e9:6.3f} {flop / 1e9:6.2f} "
+          f"{fmt(hf and hf['step_ms'], '7.1f')} {floor:8.1f} {fmt(dots, '7.1f')} {nbytes / 1e9:6.3f} {flop / 1e9:6.2f} "
           f"{fmt(at and 100 * at, '4.0f')}% {fmt(speedup, '6.2f'):>6s}x {same:>4s} {fmt(xla and xla / 1e9, '6.3f')} "
           f"{fmt(ours and ours['compile_s'], '7.1f')} {fmt(ours and ours['util'], '4.2f')} {fmt(load, '4.1f')}")
 

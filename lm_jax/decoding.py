@@ -26,6 +26,7 @@ and sequence lengths are rounded up to a few bucket sizes, so new lengths rarely
 prompts, max_new_tokens or num_beams does).
 """
 import functools
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -266,6 +267,24 @@ class _Knobs(NamedTuple):   # traced: a change does not recompile
 
 
 _output_major = jax.jit(layers.output_major)
+_prepared: list = []   # at most one entry: (weak references to the last params' leaves, their output-major form)
+
+
+def _decoding_params(params):
+  """On a CPU, params with output-major kernels (layers.output_major), kept for the last params seen: a caller
+  that generates again with the same params (batches of prompts, lm-eval's requests) does not copy the weights
+  again. One copy is kept until generate runs with other params."""
+  leaves = jax.tree.leaves(params)
+  if not all(isinstance(x, jax.Array) for x in leaves):   # a numpy leaf may change in place: no reuse
+    return _output_major(params)
+  if _prepared:
+    refs, prepared = _prepared[0]
+    if len(refs) == len(leaves) and all(r() is x for r, x in zip(refs, leaves)):
+      return prepared
+  _prepared.clear()   # the old copy goes before the new one is made
+  prepared = _output_major(params)
+  _prepared.append(([weakref.ref(x) for x in leaves], prepared))
+  return prepared
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -326,7 +345,7 @@ def generate(model_cfg, params, prompts_ids, *, max_new_tokens: int, method: str
                  np.int32({False: 0, True: 1, "never": 2}[early_stopping]), np.float32(temperature),
                  np.int32(top_k), np.float32(top_p), penalty)
   if jax.default_backend() == "cpu":
-    params = _output_major(params)
+    params = _decoding_params(params)
   tokens, lengths = _generate(cfg, opts, params, ids, mask, jax.random.key(seed), knobs)
   return [row[:length].tolist() for row, length in zip(np.asarray(tokens), np.asarray(lengths))]
 
