@@ -6,6 +6,8 @@ its floor is the time to stream the weights and the filled cache from memory (be
 layer's cache is its own loop-carried buffer in the attention's layout, written in place (layers.write_cache);
 scanned params are split into layers once per call; the cache starts a bucket above the prompt and doubles, so
 the attention reads little more than the filled slots; beam search gathers only the self-attention keys / values.
+On a CPU the loop reads output-major copies of the kernels (layers.output_major, kept for the params of the last
+call), which XLA's few-row products stream faster than the trained layout.
 
 What a prompt is depends on the family's layout (lm_jax.models.family): a decoder's (GPT) prompts are left-padded
 with their positions counted from each row's first real token, so a row decodes exactly as it would alone; an

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -160,6 +161,45 @@ def test_decode_step_updates_the_cache_in_place(gpt):
   big = [line for line in hlo.splitlines()
          if re.search(r"\b(copy|transpose)\(", line) and np.prod(hlo_shape(line)) >= layer_cache]
   assert not big, big[:3]
+
+
+@pytest.mark.parametrize("features,axes,x_shape", [((144,), ("embed", "mlp"), (3, 2, 36)),
+                                                   ((4, 9), ("embed", "heads", "kv"), (3, 2, 36)),
+                                                   ((36,), ("heads", "kv", "embed"), (3, 2, 4, 9))])
+def test_output_major_kernels_give_the_same_products(features, axes, x_shape):
+  """A Dense reading layers.output_major's copy (axes reversed) computes what it computes from the trained kernel,
+  for a plain, a multi-output (query) and a multi-input (attention out) kernel, looped or in a scanned stack."""
+  from lm_jax.models import layers
+  dense = layers.Dense(features, axes)
+  x = jax.random.normal(jax.random.key(1), x_shape)
+  params = nn.unbox(dense.init(jax.random.key(0), x)["params"])
+  params["bias"] = params["bias"] + 0.5
+  want = dense.apply({"params": params}, x)
+  got = dense.apply({"params": layers.output_major(params)}, x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  stacked = layers.output_major({"layers": jax.tree.map(lambda a: np.stack([a, 2 * a]), params)})["layers"]
+  np.testing.assert_array_equal(stacked["kernel_t"][1], 2 * layers.output_major(params)["kernel_t"])
+
+
+def test_generate_streams_output_major_kernels_without_copying_them(gpt):
+  """On a CPU generate prepares the output-major copy once per params (a second call with the same params reuses
+  it) and its compiled program copies or transposes no kernel: XLA lays an in-program transpose out as the
+  original and copies it back every step (found that way), which is why the copy is made outside."""
+  m, p, _ = gpt
+  p = jax.device_put(p)   # device arrays: numpy leaves could change in place, so they are prepared anew each call
+  decoding.generate(m, p, PROMPTS[:1], max_new_tokens=2)
+  prepared = decoding._prepared[0][1]
+  decoding.generate(m, p, PROMPTS[:1], max_new_tokens=2)
+  assert decoding._prepared[0][1] is prepared and "kernel_t" in prepared["layers_0"]["mlp"]["wi"]
+  ids, mask = decoding._pad(PROMPTS, 16, 0, left=True)
+  opts = decoding._Options(False, NEW, decoding._cache_lengths(16, NEW), 1)
+  knobs = decoding._Knobs(*(np.asarray(v) for v in (-1, 0, False, 1, 1.0, 0, 1.0)), np.ones(NEW, np.float32))
+  hlo = decoding._generate.lower(models.layers.frozen(m), opts, prepared, ids, mask, jax.random.key(0),
+                                 knobs).compile().as_text()
+  kernels = {tuple(sorted(x.shape)) for x in jax.tree.leaves(p) if x.ndim >= 2}   # in any order of their axes
+  moved = [line for line in hlo.splitlines()
+           if re.search(r"\b(copy|transpose)\(", line) and tuple(sorted(hlo_shape(line))) in kernels]
+  assert not moved, moved[:3]
 
 
 def hlo_shape(line: str) -> list[int]:
