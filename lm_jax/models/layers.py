@@ -591,8 +591,8 @@ def unscanned(cfg, params: dict) -> tuple[ml_collections.FrozenConfigDict, dict]
 def output_major(params: dict) -> dict:
   """params with each Dense kernel also stored with its axes reversed, outputs first ('kernel_t', which Dense then
   reads; a scanned stack keeps its leading layer axis): a decode step multiplies a few rows by every weight, and on
-  a CPU XLA's product streams an output-major weight 1.2-1.9x faster than the input-major one it was trained in
-  (bench/README.md, decode.py). Call it (jitted) outside the decoding program: inside, XLA would lay the copy out
+  a CPU XLA's products read an output-major weight faster than the input-major one it was trained in (GPT-1's
+  token step 1.1x faster at 1 and 8 rows, 1.2x at 32: bench/README.md, decode.py). Call it (jitted) outside the decoding program: inside, XLA would lay the copy out
   as the original and copy it back every step."""
   def walk(tree, stacked):
     if not isinstance(tree, dict):
