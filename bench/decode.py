@@ -143,23 +143,33 @@ def worker_ours(args):
   return out
 
 
+def step_leaves(m, params):
+  """(path keys, leaf) of the params a token step reads whole: not the encoder, the cross-attention key / value
+  kernels (their products are cached) or the tables a step reads one row of (positions, relative positions, an
+  untied T5 input embedding)."""
+  import jax
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    keys = [getattr(k, "key", str(k)) for k in path]
+    name = "/".join(keys)
+    cached = keys[0] == "encoder" or ("cross_attention" in name and ("/key/" in name or "/value/" in name))
+    gathered = "position_embeddings" in name or "relative_bias" in name or (
+        keys[0] == "shared" and not m.get("tie_embeddings", True))
+    if not (cached or gathered):
+      yield keys, leaf
+
+
 def step_matrices(m, params) -> list:
-  """The weight matrices a token step multiplies its rows by, as generate holds them (output-major on a CPU: layers.
-  output_major), each (outputs, inputs): the layers' kernels and the LM head; not the encoder, the cross-attention
-  key / value kernels (their products are cached) or the position tables (a step reads a row)."""
+  """The weight matrices a token step multiplies its rows by (step_leaves), as generate holds them (output-major on
+  a CPU: layers.output_major), each (outputs, inputs): the layers' kernels and the tied LM head."""
   import jax
   from lm_jax.models import layers
   cpu = jax.default_backend() == "cpu"
   params = jax.jit(layers.output_major)(params) if cpu else params
   mats = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    keys = [getattr(k, "key", str(k)) for k in path]
-    name = "/".join(keys)
-    if keys[0] == "encoder" or ("cross_attention" in name and ("/key/" in name or "/value/" in name)):
-      continue
+  for keys, leaf in step_leaves(m, params):
     if keys[-1] == ("kernel_t" if cpu else "kernel"):
       mats.append(leaf.reshape(-1, leaf.shape[-1]) if cpu else leaf.reshape(-1, leaf.shape[-1]).T)
-    elif keys[-1] == "embedding" and keys[0] in ("word_embeddings", "shared") and m.get("tie_embeddings", True):
+    elif keys[-1] == "embedding":
       mats.append(leaf)   # the tied LM head, x @ table.T
   return mats
 
@@ -238,21 +248,12 @@ def worker_hf(args):
 
 def step_costs(m, rows: int, args) -> tuple[float, float]:
   """(bytes, FLOPs) of one ideal token step for `rows` rows (see the module docstring)."""
-  import jax
   from lm_jax import models
   from lm_jax.models import layers, t5
   params = models.abstract_params(m)
   itemsize = np.dtype(args.dtype).itemsize
   weights = matmul = 0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    keys = [getattr(k, "key", str(k)) for k in path]
-    name = "/".join(keys)
-    gathered = "position_embeddings" in name or "relative_bias" in name or (
-        keys[0] == "shared" and not m.get("tie_embeddings", True))
-    if keys[0] == "encoder" or ("cross_attention" in name and ("/key/" in name or "/value/" in name)):
-      continue   # not read by a step
-    if gathered:
-      continue   # a step reads a row
+  for keys, leaf in step_leaves(m, params):
     size = int(np.prod(leaf.shape))
     weights += size
     matmul += size if keys[-1] in ("kernel", "embedding") else 0
@@ -342,8 +343,8 @@ def main():
       json.dump(dump, f, indent=1)
 
 
-HEADER = (f"{'model':5s} {'method':6s} {'batch':>5s} {'ours ms':>8s} {'hf ms':>7s} {'floor ms':>8s} {'dots ms':>7s} {'GB':>6s} "
-          f"{'GFLOP':>6s} {'at':>5s} {'hf/ours':>7s} {'same':>4s} {'xla GB':>6s} {'compile':>7s} {'cpu':>4s} "
+HEADER = (f"{'model':5s} {'method':6s} {'batch':>5s} {'ours ms':>8s} {'hf ms':>7s} {'floor ms':>8s} {'dots ms':>7s} "
+          f"{'GB':>6s} {'GFLOP':>6s} {'at':>5s} {'hf/ours':>7s} {'same':>4s} {'xla GB':>6s} {'compile':>7s} {'cpu':>4s} "
           f"{'load':>4s}")
 
 

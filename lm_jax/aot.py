@@ -13,7 +13,6 @@ where it is right: on TPU, without a scanned layer stack or microbatch loop (a s
 includes remat's recomputation; the CUDA compiler gives none. Predicted time = our FLOPs / (peak x MFU), peak from
 lm_jax.hardware's table, the MFU stated; communication and input time are not modelled.
 """
-import dataclasses
 import json
 import re
 
@@ -24,26 +23,11 @@ from flax import linen as nn
 from lm_jax import config_lib, hardware, init_from, memory, objectives, sharding, step, topology
 from lm_jax.models import layers
 
-GiB = 2**30
+GiB = memory.GiB
 
 
 class OutOfMemory(ValueError):
   """The step does not fit the device: one line, what it needs, what the device has, what to change."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Compiled:
-  """Per-device bytes of one compiled step (compiled.memory_analysis) and XLA's FLOPs (None where unusable)."""
-  arguments: int
-  outputs: int
-  aliased: int
-  temporaries: int
-  code: int
-  xla_flops: float | None
-
-  @property
-  def total(self) -> int:
-    return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
 
 
 def abstract_inputs(config, objective, abstract_state, state_sharding, mesh):
@@ -54,18 +38,6 @@ def abstract_inputs(config, objective, abstract_state, state_sharding, mesh):
   batch = {k: jax.ShapeDtypeStruct((config.batch_size, *shape), np.dtype(dtype), sharding=batch_sh)
            for k, (shape, dtype) in objective.features(config).items()}
   return state, batch
-
-
-def measure(compiled, counts_flops: bool = True) -> Compiled:
-  """compiled.memory_analysis() (per device) and cost_analysis()'s flops where `counts_flops`."""
-  mem = compiled.memory_analysis()
-  flops = None
-  if counts_flops:
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops = float(cost["flops"]) if cost and cost.get("flops", -1) > 0 else None
-  return Compiled(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                  mem.temp_size_in_bytes, mem.generated_code_size_in_bytes, flops)
 
 
 def _out_of_memory(error: Exception, what: str, kind: str, has: float) -> OutOfMemory | None:
@@ -84,7 +56,7 @@ CHANGES = ("run --plan, or raise config.microbatches, set config.model.remat_pol
 
 
 def compile_steps(config, topo: topology.Topology):
-  """(config as run, mesh, train step Compiled, eval step Compiled or None without evals) for `topo`;
+  """(config as run, mesh, train step memory.Compiled, eval step memory.Compiled or None without evals) for `topo`;
   OutOfMemory if either does not fit."""
   config = init_from.resolve(config)
   devices = list(topo.devices)
@@ -114,7 +86,7 @@ def compile_steps(config, topo: topology.Topology):
         if oom is None:
           raise
         raise oom from None
-      result = measure(compiled, counts)
+      result = memory.measure(compiled, counts)
       if result.total > has:
         raise OutOfMemory(f"{what} needs {result.total / GiB:.2f} GiB per device; a {topo.kind} has "
                           f"{has / GiB:.2f} GiB: {CHANGES}")
@@ -122,7 +94,8 @@ def compile_steps(config, topo: topology.Topology):
   return config, mesh, results[0], results[1] if len(results) > 1 else None
 
 
-def report(config, topo: topology.Topology, mesh, train: Compiled, evaluate: Compiled, mfu: float) -> dict:
+def report(config, topo: topology.Topology, mesh, train: memory.Compiled, evaluate: memory.Compiled | None,
+           mfu: float) -> dict:
   """The numbers a run's plan needs (module docstring), per device unless named otherwise."""
   objective = objectives.get(config.objective)
   n = len(topo.devices)

@@ -190,18 +190,42 @@ def rescheduled(est: Estimate, config) -> Estimate:
                              activations=activation_bytes(config, rows, div))
 
 
-def compiled_line(analysis, est: Estimate) -> str:
-  """The trainer's start-up line: the compiled step's per-device memory (compiled.memory_analysis()) next to this
-  module's estimate, in MiB."""
-  a = analysis
-  total = (a.argument_size_in_bytes + a.output_size_in_bytes - a.alias_size_in_bytes + a.temp_size_in_bytes
-           + a.generated_code_size_in_bytes)
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """Per-device bytes of one compiled step (compiled.memory_analysis) and XLA's FLOPs (None where unusable)."""
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+  code: int
+  xla_flops: float | None
+
+  @property
+  def total(self) -> int:
+    return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+
+def measure(compiled, counts_flops: bool = True) -> Compiled:
+  """compiled.memory_analysis() (per device) and cost_analysis()'s flops where `counts_flops`."""
+  mem = compiled.memory_analysis()
+  flops = None
+  if counts_flops:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops = float(cost["flops"]) if cost and cost.get("flops", -1) > 0 else None
+  return Compiled(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+                  mem.temp_size_in_bytes, mem.generated_code_size_in_bytes, flops)
+
+
+def compiled_line(c: Compiled, est: Estimate) -> str:
+  """The trainer's start-up line: the compiled step's per-device memory (measure) next to this module's estimate,
+  in MiB."""
   mib = lambda b: f"{b / 2**20:.1f}"
-  return (f"memory per device (MiB): compiled step arguments {mib(a.argument_size_in_bytes)} (params, optimizer "
-          f"state, batch), outputs {mib(a.output_size_in_bytes)} (aliased {mib(a.alias_size_in_bytes)}), temporaries "
-          f"{mib(a.temp_size_in_bytes)}, code {mib(a.generated_code_size_in_bytes)}, total {mib(total)} | "
-          f"lm_jax.memory: params {mib(est.params)}, optimizer state {mib(est.opt_state)}, gradients "
-          f"{mib(est.grads)}, activations {mib(est.activations)}, total {mib(est.total)}")
+  return (f"memory per device (MiB): compiled step arguments {mib(c.arguments)} (params, optimizer state, batch), "
+          f"outputs {mib(c.outputs)} (aliased {mib(c.aliased)}), temporaries {mib(c.temporaries)}, code "
+          f"{mib(c.code)}, total {mib(c.total)} | lm_jax.memory: params {mib(est.params)}, optimizer state "
+          f"{mib(est.opt_state)}, gradients {mib(est.grads)}, activations {mib(est.activations)}, total "
+          f"{mib(est.total)}")
 
 
 def device_stats(device) -> dict:

@@ -137,7 +137,7 @@ def compile_train_step(s: Setup) -> Callable:
     if not compiled:
       compiled.append(jitted.lower(state, batch).compile())
       est = memory.estimate(s.config, mesh=tuple(s.mesh.shape[a] for a in sharding.AXES))
-      loop.say(memory.compiled_line(compiled[0].memory_analysis(), est))
+      loop.say(memory.compiled_line(memory.measure(compiled[0], counts_flops=False), est))
     return compiled[0](state, batch)
   return train_step
 

@@ -85,4 +85,3 @@ def _describe(text: str) -> str:
     return f"the run of pid {holder['pid']} on host {holder['host']} (started {holder['started']})"
   except (ValueError, TypeError, KeyError):   # it has locked the file and not written it yet
     return "another run that is starting"
-

@@ -10,9 +10,10 @@ Layer stacks (`stack`) are scanned or looped. Scanned params live under `<name>`
 between either layout and a list of per-layer trees, `relayout` every stack of a params-shaped tree.
 
 KV cache: an explicit pytree, no flax 'cache' collection. `Attention` takes one layer's
-{'k', 'v'} (B, S_max, H, Dh) and a write index, writes the new keys/values there and attends over
-the whole buffer (the caller's mask hides unwritten slots); `stack` slices a cache stacked on a
-leading layer axis and restacks the updated one.
+{'k', 'v'} (B, H, S_max, Dh) and a write index, writes the new keys/values there and attends over
+the whole buffer (the caller's mask hides unwritten slots); `stack` gives each layer its own cache
+(a tuple, looped layers), so a decoding loop updates every buffer in place. Decoding on a CPU reads
+the Dense kernels' output-major copies (`output_major`).
 """
 import contextlib
 import contextvars
@@ -273,25 +274,24 @@ _PLATFORM = contextvars.ContextVar("attention_platform", default=None)
 
 
 @contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+  token = var.set(value)
+  try:
+    yield
+  finally:
+    var.reset(token)
+
+
 def attention_kernel(name: str, causal: bool):
   """Inside, dot_product_attention uses kernel `name` (ATTENTION_KERNELS; config.model.attention) for a model whose
   self-attention is `causal`; models.apply sets it from the config."""
-  token = _KERNEL.set((name, causal))
-  try:
-    yield
-  finally:
-    _KERNEL.reset(token)
+  return _setting(_KERNEL, (name, causal))
 
 
-@contextlib.contextmanager
 def compiling_for(platform: str):
   """Inside, the kernels are chosen for `platform` ('tpu', 'gpu') rather than the backend this process runs on:
   lm_jax.aot compiles for a topology from a CPU host."""
-  token = _PLATFORM.set(platform)
-  try:
-    yield
-  finally:
-    _PLATFORM.reset(token)
+  return _setting(_PLATFORM, platform)
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
@@ -592,8 +592,8 @@ def output_major(params: dict) -> dict:
   """params with each Dense kernel also stored with its axes reversed, outputs first ('kernel_t', which Dense then
   reads; a scanned stack keeps its leading layer axis): a decode step multiplies a few rows by every weight, and on
   a CPU XLA's products read an output-major weight faster than the input-major one it was trained in (GPT-1's
-  token step 1.1x faster at 1 and 8 rows, 1.2x at 32: bench/README.md, decode.py). Call it (jitted) outside the decoding program: inside, XLA would lay the copy out
-  as the original and copy it back every step."""
+  token step 1.1x faster at 1 and 8 rows, 1.2x at 32: bench/README.md, decode.py). Call it (jitted) outside the
+  decoding program: inside, XLA would lay the copy out as the original and copy it back every step."""
   def walk(tree, stacked):
     if not isinstance(tree, dict):
       return tree
