@@ -9,7 +9,7 @@ Data (paper §3.1): English Wikipedia and BooksCorpus, mixed in proportion to th
 BERT drew documents from the two corpora put together). Wikipedia comes from TFDS; BooksCorpus has no public TFDS
 build (its books are no longer distributed), so it is read from your files: BOOKS_FILES, documents (books)
 separated by blank lines, one sentence per line, as BERT's create_pretraining_data.py reads them. Point it
-elsewhere with --config.data.mixture (README "Data mixtures").
+elsewhere with --config.data.mixture (docs/data.md#data-mixtures).
 """
 from lm_jax import defaults
 

@@ -28,3 +28,22 @@ def test_no_outside_documents_or_private_jax():
   hits = [f"{p.relative_to(REPO)}:{i}" for p in SOURCES for i, line in enumerate(p.read_text().splitlines(), 1)
           if outside.search(line)]
   assert not hits, hits
+
+
+def test_readme_is_a_map_that_links_every_doc():
+  readme = (REPO / "README.md").read_text()
+  assert len(readme.splitlines()) <= 220
+  missing = [p.name for p in (REPO / "docs").glob("*.md") if f"docs/{p.name}" not in readme]
+  assert not missing, f"README.md does not link {missing}"
+
+
+def test_docs_name_the_registered_objectives_and_objective_fields():
+  import dataclasses
+  from lm_jax import objectives
+  pitch = (REPO / "README.md").read_text().split("\n## ", 1)[0]
+  named = re.findall(r"`([a-z_]+)`", pitch.split("every objective:", 1)[1].split(". The same code", 1)[0])
+  assert sorted(named) == sorted(objectives.names())
+  section = (REPO / "docs" / "configs.md").read_text().split("## Adding an objective", 1)[1].split("\n## ", 1)[0]
+  first_column = [row.split("|")[1] for row in section.splitlines() if row.startswith("| `")]
+  documented = [name for cell in first_column for name in re.findall(r"`(\w+)", cell)]
+  assert sorted(documented) == sorted(f.name for f in dataclasses.fields(objectives.Objective))

@@ -1,6 +1,6 @@
 """Scaling laws: published laws, compute-optimal allocation, FLOP counts, and fitting our own runs.
 
-`python -m lm_jax.scaling {fit,allocate,predict,sweep}`; see README "Scaling laws".
+`python -m lm_jax.scaling {fit,allocate,predict,sweep}`; see docs/scaling_laws.md.
 """
 from lm_jax import models
 from lm_jax.flops import PF_DAY, Lengths, flops_6nd, kaplan_forward_flops_per_token, kaplan_params
