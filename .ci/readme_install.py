@@ -6,9 +6,10 @@ def install_lines(readme: str) -> list[str]:
   section = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
   blocks = section.split("```")[1::2]   # the text between each pair of fences
   lines = [line.split("  #", 1)[0].strip() for block in blocks for line in block.splitlines()]
-  if not [line for line in lines if line]:
+  lines = [line for line in lines if line]
+  if not lines:
     sys.exit(f"error: {sys.argv[1]}: no install lines under '## Install'")
-  return [line for line in lines if line]
+  return lines
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
-"""Hygiene: citations point inside the repository (docs/ pages and their sections exist); no private JAX."""
+"""Hygiene: citations point inside the repository (docs/ pages and their sections exist); no private JAX; the README
+is a map whose objective list, like the docs' Objective fields, matches the registry."""
+import dataclasses
 import pathlib
 import re
+
+from lm_jax import objectives
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = [p for pattern in ("*.md", "lm_jax/**/*.py", "configs/*.py", "tests/*.py", "bench/*", "launch/*", ".ci/*")
@@ -38,8 +42,6 @@ def test_readme_is_a_map_that_links_every_doc():
 
 
 def test_docs_name_the_registered_objectives_and_objective_fields():
-  import dataclasses
-  from lm_jax import objectives
   pitch = (REPO / "README.md").read_text().split("\n## ", 1)[0]
   named = re.findall(r"`([a-z_]+)`", pitch.split("every objective:", 1)[1].split(". The same code", 1)[0])
   assert sorted(named) == sorted(objectives.names())
