@@ -8,7 +8,7 @@ Face transformers' generate with its KV cache, on the same weights, prompts and 
 A first subprocess per model draws random weights for the config (configs/*.py) and writes them with
 lm_jax.hf.export.save_hf, with random prompts of --prompt_len tokens. The machine's memory bandwidth (the better of
 a jitted copy and a matrix-vector product over 256 MB, best of 10 each) and matmul rate
-(lm_jax.hardware.matmul_flops_per_s) are measured at the start and again right after each of our timings, whose
+(lm_jax.plan.hardware.matmul_flops_per_s) are measured at the start and again right after each of our timings, whose
 floor uses them (the load of a shared machine changes). Then per model each side runs in its own subprocess after
 lm_jax.malloc.keep_freed_memory(), every batch size and method in turn: **ours** loads the directory with
 lm_jax.hf.export.load_hf and times decoding.generate, **hf** loads it with from_pretrained and times its generate
@@ -77,7 +77,7 @@ def measure_machine() -> dict:
   (measured anew on each call: the machine's load changes)."""
   import jax
   import jax.numpy as jnp
-  from lm_jax import hardware
+  from lm_jax.plan import hardware
   x, v = jnp.ones((2**14, 2**12), jnp.float32), jnp.ones((1, 2**14), jnp.float32)
   rates = {}
   for name, fn, operands, nbytes in (("copy", lambda a: a * 2, (x,), 2 * x.nbytes),

@@ -53,7 +53,9 @@ def _config(args):
 
 
 def ours(args) -> dict:
-  from lm_jax import init_from, malloc, metrics_log, params, predict, train
+  from lm_jax import init_from, malloc, params, train
+  from lm_jax.evals import predict
+  from lm_jax.obs import metrics_log
   malloc.keep_freed_memory()
   config = _config(args)
   with tempfile.TemporaryDirectory() as workdir:

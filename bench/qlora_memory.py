@@ -15,7 +15,7 @@ import argparse
 import jax
 from flax import linen as nn
 
-from lm_jax import config_lib, objectives, sharding, step
+from lm_jax import config_lib, layout, objectives, sharding, step
 
 
 def measure(args, qlora: bool) -> dict:
@@ -25,7 +25,8 @@ def measure(args, qlora: bool) -> dict:
       "batch_size": args.batch, "data.seq_len": args.seq_len, "model.max_positions": args.seq_len,
       "lora.rank": 8, "lora.targets": ("attention/(query|value)/",), "lora.qlora": qlora})
   mesh = sharding.make_mesh(config)
-  tx, lr, abstract, shardings = step.state_layout(config, mesh, sharding.RULES)
+  lay = layout.build(config, mesh, sharding.RULES)
+  tx, lr, abstract, shardings = lay.tx, lay.lr_schedule, lay.abstract_state, lay.state_sharding
   objective = objectives.get(config.objective)
   batch = {name: jax.ShapeDtypeStruct((config.batch_size, *shape), dtype)
            for name, (shape, dtype) in objective.features(config).items()}

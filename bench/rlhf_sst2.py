@@ -114,9 +114,10 @@ def measure(args) -> tuple[dict, dict]:
   import jax
   import ml_collections
   from flax import linen as nn
-  from lm_jax import decoding, init_from, metrics_log, sharding
+  from lm_jax import decoding, init_from, sharding
   from lm_jax.data import instructions, tokenizer as tokenizer_lib
   from lm_jax.objectives import reward as reward_lib
+  from lm_jax.obs import metrics_log
   from lm_jax.rlhf import rollout
 
   config = ml_collections.ConfigDict(init_from.saved_config(args.ppo))   # the PPO run's resolved config

@@ -115,7 +115,7 @@ def _timed(run_step, steps, warmup):
 def worker_roofline(args):
   """The trainer's own CPU peak measurement (best of 10 jitted n^3 jnp.dot in --dtype) -> FLOP/s."""
   import jax
-  from lm_jax import hardware
+  from lm_jax.plan import hardware
   return {"flops_per_s": hardware.matmul_flops_per_s(args.matmul_size, args.dtype),
           "device": jax.devices()[0].device_kind}
 
@@ -123,13 +123,14 @@ def worker_roofline(args):
 def worker_ours(args):
   import jax
   from flax import linen as nn
-  from lm_jax import config_lib, models, objectives, sharding, step
+  from lm_jax import checks, layout, models, objectives, sharding, step
   config = load_config(args.shape, args)
   devices = jax.devices()
-  config_lib.validate(config, len(devices))
+  checks.validate(config, len(devices))
   objective = objectives.get(config.objective)
   mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
-  tx, lr, _, state_sh = step.state_layout(config, mesh, rules)
+  lay = layout.build(config, mesh, rules)
+  tx, lr, state_sh = lay.tx, lay.lr_schedule, lay.state_sharding
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     state = step.fresh_state(config, tx, state_sh)
     train_step = step.make_train_step(config, objective, tx, lr, state_sh, mesh)

@@ -1,13 +1,14 @@
 """lm_jax: pre-train, evaluate and export BERT-, GPT-1-, GPT-2- and T5-style language models in pure JAX.
 
 Data flows config -> batch -> step -> checkpoint (docs/architecture.md: who owns which fact, import direction):
-  main.py         the CLI (--mode=train|eval|export|predict|generate|summary|...); config_lib.py loads and validates
-                  configs
+  main.py         the CLI (--mode=train|eval|export|predict|generate|summary|compile|...)
+  config_lib.py   loads configs and overrides (imports nothing of the library); checks.py checks them against the
+                  devices, asking each owner
+  layout.py       the one I/O-free layout: config + mesh -> optimizer, abstract train state, shardings
   train.py        the trainer: setup, init or restore, its jitted steps on loop.py's shared schedules
   loop.py         the schedules every trainer shares: log, eval, checkpoint, preemption, resume, throughput
   rlhf/           PPO: a trainer of its own (rollout, scoring, update) on loop.py's schedules
   init_from.py    where a run starts (a Hugging Face directory or another run) and where eval / export take params
-  predict.py      the eval step over the eval batches (the trainer's evaluator), and --mode=predict's TSV
   step.py         the train state and the one jitted, mesh-sharded train / eval step for every objective
   params.py       the run's params policy: what its params are and what trains (freezing, adapters, layer decay)
   peft/           adapter methods behind params.py (LoRA / QLoRA, IA³) and the PEFT format
@@ -20,10 +21,11 @@ Data flows config -> batch -> step -> checkpoint (docs/architecture.md: who owns
                   layers, each declaring its Family record (registry.py): layout, FLOPs, tokenizer specials, decoding
   hf/             Hugging Face conversion per family and export / import of checkpoint directories
   decoding.py     greedy / sampling / beam search on the KV cache, and scoring; it asks the family, never names it
-  zeroshot.py, probe.py, inference.py   zero-shot scoring, linear probes, generate / fill-mask from the CLI
   sharding.py     the mesh and logical-axis rules; checkpoint.py orbax save / restore / resume, best checkpoint
-  optim.py        the papers' optimizers and schedules; evaluate.py held-out metrics; metrics_log.py logs
-  flops.py, hardware.py, memory.py, summary.py   FLOP counts, peak FLOP/s, memory estimates, param tables
+  optim.py        the papers' optimizers and schedules; flops.py FLOP counts; summary.py param tables
+  evals/          held-out metrics, --mode=predict, probes, zero-shot, lm-eval, generate / fill-mask
+  plan/           --mode=compile for a topology, --plan, memory estimates, peak FLOP/s
+  obs/            time split (goodput), profiles, metrics.jsonl / TensorBoard / W&B, plots
   distributed.py  multi-host initialisation (local processes, SLURM, TPU VMs); malloc.py host allocator setup
   scaling/        Kaplan / Chinchilla laws: predict, fit, allocate, sweep, plot
 """

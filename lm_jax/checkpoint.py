@@ -25,8 +25,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from lm_jax import metrics_log
 from lm_jax.data import mixture
+from lm_jax.obs import metrics_log
 from lm_jax.peft import methods
 
 # Model fields that change how the model runs, not which parameters it has: free to differ on resume.

@@ -1,6 +1,6 @@
 """One way to get a config: `load("configs/gpt1.py:tiny", {"optimizer.lr": 3e-4})` for Python, the same
-`--config=configs/gpt1.py:tiny --config.optimizer.lr=3e-4` on every command line; then `validate` checks it
-against the devices before anything is built.
+`--config=configs/gpt1.py:tiny --config.optimizer.lr=3e-4` on every command line; then `lm_jax.checks.validate`
+checks it against the devices before anything is built. Loading a config imports nothing of the library.
 
 Mistakes come back as one line naming the field: an unknown field with the closest existing one, a value of
 the wrong type with the field's type, a number out of range with its range. On the command line
@@ -11,7 +11,6 @@ import ast
 import contextlib
 import difflib
 import importlib.util
-import math
 import os
 import pathlib
 import sys
@@ -20,8 +19,6 @@ from typing import Iterable, Mapping
 import ml_collections
 from absl import app, flags
 
-from lm_jax import checkpoint, init_from, models, objectives, optim, params, profiling, sharding, wandb_log
-from lm_jax.data import mixture
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _PACKAGE = str(pathlib.Path(__file__).resolve().parent) + os.sep
@@ -32,6 +29,12 @@ class ConfigError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------------------- load
+def require(ok, message: str):
+  """ConfigError(message) unless ok: the one-line check every owner of config fields writes its checks with."""
+  if not ok:
+    raise ConfigError(message)
+
+
 def load(spec: str, overrides: Mapping | Iterable[str] = ()) -> ml_collections.ConfigDict:
   """`configs/X.py[:variant]`'s get_config(variant), locked (no new fields), with overrides applied.
 
@@ -122,11 +125,11 @@ def _parse(text: str, kind: type):
 def _suggestion(config, field: str) -> str:
   """'; did you mean X?': a close name in the same group, a name whose initials match (learning_rate -> lr),
   the same name in another group, or a close dotted path."""
-  fields = _fields(config)
-  paths = list(fields)
+  found = fields(config)
+  paths = list(found)
   parent, _, leaf = field.rpartition(".")
   siblings = {p.rpartition(".")[2]: p for p in paths   # fields, not groups: 'lr' is not the group 'lora'
-              if p.rpartition(".")[0] == parent and not isinstance(fields[p], ml_collections.ConfigDict)}
+              if p.rpartition(".")[0] == parent and not isinstance(found[p], ml_collections.ConfigDict)}
   initials = lambda name: "".join(w[0] for w in name.split("_") if w)
   close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
   close = close or [s for s in siblings if initials(leaf) == s or initials(s) == leaf]
@@ -135,100 +138,14 @@ def _suggestion(config, field: str) -> str:
   return f"; did you mean {best[0]!r}?" if best else ""
 
 
-def _fields(config, prefix="") -> dict:
+def fields(config, prefix="") -> dict:
   """Dotted path -> value of every field and group."""
   out = {}
   for key, value in config.items():
     out[prefix + key] = value
     if isinstance(value, ml_collections.ConfigDict):
-      out.update(_fields(value, f"{prefix}{key}."))
+      out.update(fields(value, f"{prefix}{key}."))
   return out
-
-
-# ----------------------------------------------------------------------------------------------------- validate
-def _at_least(low):
-  return f">= {low}", lambda x: x >= low
-
-
-def _above(low):
-  return f"> {low}", lambda x: x > low
-
-
-_UNIT = "in [0, 1)", lambda x: 0 <= x < 1
-
-# Ranges of the numeric fields of lm_jax/defaults.py that objectives.check, models.validate and
-# sharding.mesh_shape do not cover. Written as what is allowed, so NaN (every comparison is False) fails.
-# warmup_steps may exceed total_steps: the rsqrt schedule uses it as a constant, and short runs stay in warmup.
-RANGES = {
-    "total_steps": _at_least(1), "microbatches": _at_least(1), "log_every": _at_least(1),
-    "checkpoint_every": _at_least(1), "batch_size": _at_least(1), "keep_checkpoints": _at_least(1),
-    "eval_every": _at_least(0), "seed": _at_least(0), "peak_tflops": _at_least(0),
-    "optimizer.lr": _above(0), "optimizer.b1": _UNIT, "optimizer.b2": _UNIT, "optimizer.eps": _above(0),
-    "optimizer.weight_decay": _at_least(0), "optimizer.warmup_steps": _at_least(0),
-    "optimizer.clip_norm": _at_least(0),
-    "data.target_len": _at_least(0), "data.eval_batches": _at_least(0), "data.shards": _at_least(1),
-    "model.initializer_range": _above(0),
-}
-
-
-def validate(config, num_devices: int, process_count: int = 1):
-  """ConfigError (one line, naming the field) for a config that cannot train on `num_devices` devices in
-  `process_count` processes: checked before anything is built or compiled."""
-  try:
-    _validate(config, num_devices, process_count)
-  except ConfigError:
-    raise
-  except ValueError as e:  # objectives, models and sharding raise plain ValueErrors naming the field
-    raise ConfigError(str(e)) from e
-
-
-def _require(ok, message):
-  if not ok:
-    raise ConfigError(message)
-
-
-def _validate(config, num_devices, process_count):
-  objectives.check(config)  # unknown objective, objective/family mismatch, seq_len vs positions, masking/noise
-  models.validate(config.model)  # sizes, heads vs d_model, activation, dtypes, remat policy, dropout
-  _check_numbers(config)
-  params.check(config)  # what trains: freeze patterns, adapter methods, layer_decay
-  init_from.check(config)  # reinit_top_layers
-  checkpoint.check_best(config)  # best_metric
-  mixture.sources(config)  # data.mixture: source fields, names, weights
-  profiling.check(config)  # profile.steps
-  wandb_log.check(config)  # wandb.mode; wandb installed when wandb.project is set
-  m, o = config.model, config.optimizer
-  _require(o.name in optim.OPTIMIZERS, f"config.optimizer.name={o.name!r} unknown; use {', '.join(optim.OPTIMIZERS)}")
-  _require(o.schedule in optim.SCHEDULES,
-           f"config.optimizer.schedule={o.schedule!r} unknown; use {', '.join(optim.SCHEDULES)}")
-  _require(0 <= config.phase_end_step <= config.total_steps, f"config.phase_end_step={config.phase_end_step} "
-           f"must be in [0, total_steps={config.total_steps}] (0 = total_steps)")
-  data, fsdp, tensor = sharding.mesh_shape(config, num_devices)
-  _require(m.num_heads % tensor == 0,
-           f"config.model.num_heads={m.num_heads} is not divisible by config.mesh.tensor={tensor}")
-  _require(config.batch_size % process_count == 0,
-           f"config.batch_size={config.batch_size} is not divisible by the {process_count} processes")
-  _require(config.batch_size % config.data.shards == 0,
-           f"config.batch_size={config.batch_size} is not divisible by config.data.shards={config.data.shards}")
-  per_step = config.microbatches * data * fsdp
-  _require(config.batch_size % per_step == 0,
-           f"config.batch_size={config.batch_size} is not divisible by config.microbatches * mesh.data * mesh.fsdp "
-           f"= {config.microbatches}*{data}*{fsdp} = {per_step}")
-  sharding.check_divisible(models.abstract_params(m), models.logical_axes(m),
-                           dict(zip(sharding.AXES, (data, fsdp, tensor))), sharding.rules(config))
-
-
-def _check_numbers(config):
-  """Every float finite, RANGES, eval batches when evaluating, token ids inside the vocabulary."""
-  fields = _fields(config)
-  for path, value in fields.items():
-    _require(not isinstance(value, float) or math.isfinite(value), f"config.{path} must be finite, got {value}")
-  for path, (rule, ok) in RANGES.items():
-    _require(ok(fields[path]), f"config.{path} must be {rule}, got {fields[path]!r}")
-  m = config.model
-  for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
-    _require(0 <= m[name] < m.vocab_size,
-             f"config.model.{name}={m[name]} must be in [0, model.vocab_size={m.vocab_size})")
 
 
 # ------------------------------------------------------------------------------------------------ command line

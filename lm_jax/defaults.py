@@ -55,21 +55,21 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_every = 0
   c.checkpoint_every = 1000
   c.keep_checkpoints = 2
-  c.peak_tflops = 0.0             # per device, for MFU; 0 = a table by device kind (lm_jax/hardware.py)
+  c.peak_tflops = 0.0             # per device, for MFU; 0 = a table by device kind (lm_jax/plan/hardware.py)
 
-  c.profile = ml_collections.ConfigDict()   # jax.profiler traces into WORKDIR/profile (lm_jax/profiling.py)
+  c.profile = ml_collections.ConfigDict()   # jax.profiler traces into WORKDIR/profile (lm_jax/obs/profiling.py)
   c.profile.steps = ()            # (first step, number of steps) to trace, e.g. (10, 3); () = off
   c.profile.host = False          # also trace the host's Python calls (input pipeline, loop): bigger traces
   c.profile.all_processes = False # every process writes a trace; False = process 0 only
 
-  c.wandb = ml_collections.ConfigDict()     # Weights & Biases from process 0 (lm_jax/wandb_log.py; pip install wandb)
+  c.wandb = ml_collections.ConfigDict()     # Weights & Biases from process 0 (lm_jax/obs/wandb_log.py)
   c.wandb.project = ""            # "" = off
   c.wandb.entity = ""             # "" = your default entity
   c.wandb.name = ""               # "" = W&B's generated name
   c.wandb.tags = ()
   c.wandb.mode = ""               # online, offline or disabled; "" = WANDB_MODE or online
 
-  c.eval = ml_collections.ConfigDict()   # lm-evaluation-harness tasks (lm_jax/lm_eval_adapter.py)
+  c.eval = ml_collections.ConfigDict()   # lm-evaluation-harness tasks (lm_jax/evals/lm_eval_adapter.py)
   c.eval.lm_eval_tasks = ()       # the harness' task names or configs/lm_eval's, e.g. ("lm_jax_sst2",); () = off
   c.eval.lm_eval_every = 0        # steps between runs of the tasks, a multiple of eval_every; 0 = at every eval
   c.eval.lm_eval_limit = 0        # documents per task (the harness' --limit); 0 = all

@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from lm_jax import checkpoint, models, objectives, params as params_lib, step
+from lm_jax import checkpoint, layout as layout_lib, models, objectives, params as params_lib
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import export
 from lm_jax.models import layers
@@ -135,8 +135,8 @@ def pretrained_params(config, mesh, rules) -> dict:
   mngr = checkpoint.manager(path, 1, read_only=True)   # one manager for the saved config and the params
   try:
     source = ml_collections.ConfigDict(_latest_config(mngr, path))
-    _, _, abstract, shardings = step.state_layout(source, mesh, rules)
-    restored = checkpoint.restore_latest(mngr, abstract, shardings, source, with_data=False)
+    lay = layout_lib.build(source, mesh, rules)
+    restored = checkpoint.restore_latest(mngr, lay.abstract_state, lay.state_sharding, source, with_data=False)
   finally:
     mngr.close()
   params = restored.state["params"]

@@ -7,11 +7,11 @@ waits for the device. It writes the log record and console line, evaluates every
 each eval to the best-checkpoint hook), checkpoints every config.checkpoint_every steps, at the end and on SIGTERM,
 and says where a run resumed.
 
-Each train record splits its window's wall time (lm_jax.goodput): step, data wait, host overhead, eval, checkpoint and
-compilation, in {name}_s fields. Throughput is the steps' wall time over the window (data wait and compilation
+Each train record splits its window's wall time (lm_jax.obs.goodput): step, data wait, host overhead, eval, checkpoint
+and compilation, in {name}_s fields. Throughput is the steps' wall time over the window (data wait and compilation
 included), with evaluations, saves and the loop's own work left out. A pause first waits for the steps still queued on
 the device: their time is step time, not pause (without the wait, an eval's window would report the queued steps' work
-done in no time). config.profile traces chosen steps (lm_jax.profiling).
+done in no time). config.profile traces chosen steps (lm_jax.obs.profiling).
 
 Dependencies: checkpoint, goodput, metrics_log, profiling; the trainers (train, rlhf) build on this module.
 """
@@ -23,7 +23,8 @@ from typing import Callable
 
 import jax
 
-from lm_jax import checkpoint, goodput, metrics_log, profiling
+from lm_jax import checkpoint
+from lm_jax.obs import goodput, metrics_log, profiling
 
 
 def say(line: str):
@@ -36,8 +37,6 @@ def resume(restored: checkpoint.Restored, directory, data_it=None, unit: str = "
   """Puts data_it (None: a loop without a data stream) where the restored run left it, or says why it starts fresh,
   and prints where the run resumed. Returns the restored step."""
   changes = restored.data_changes if data_it else []
-  if data_it and restored.data_state is not None and "shards" not in restored.data_state:
-    changes = ["data-iterator state of an older lm_jax"]
   if changes:
     say(f"resumed {unit} {restored.step}; data config changed ({'; '.join(changes)}): fresh data iterator")
   else:

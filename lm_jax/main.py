@@ -13,7 +13,8 @@ malloc.keep_freed_memory()  # before anything starts JAX's backend
 
 from absl import app, flags  # noqa: E402
 
-from lm_jax import config_lib, metrics_log  # noqa: E402
+from lm_jax import config_lib  # noqa: E402
+from lm_jax.obs import metrics_log  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, tokenizer")
@@ -48,7 +49,7 @@ _THRESHOLD = flags.DEFINE_float("threshold", None, "--zeroshot=acceptability: a 
 _THRESHOLD_SPLIT = flags.DEFINE_string("threshold_split", "", "--zeroshot=acceptability: choose the threshold on "
                                        "this split (best Matthews correlation)")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "--mode=compile: e.g. v4-32, v5e-64, 2xv5e-256, h100-8 "
-                                "(lm_jax/topology.py)")
+                                "(lm_jax/plan/topology.py)")
 _PLAN = flags.DEFINE_bool("plan", False, "--mode=compile: search mesh, microbatches, remat and scan for the fastest "
                           "setting that fits")
 _PLAN_FITS = flags.DEFINE_integer("plan_fits", 3, "--plan: compile candidates until this many fit (at most twice as "
@@ -75,11 +76,11 @@ def _run(config, mode):
   if mode == "compile":
     if not _TOPOLOGY.value:
       raise app.UsageError("--topology is required for --mode=compile (e.g. v4-8, v5e-16, h100-8)")
-    from lm_jax import topology
+    from lm_jax.plan import topology
     topology.prepare()   # before JAX starts a backend
-    from lm_jax import aot, plan
+    from lm_jax.plan import aot, planner
     if _PLAN.value:
-      plan.run(config, _TOPOLOGY.value, mfu=_MFU.value, json_path=_REPORT_JSON.value, keep=_PLAN_FITS.value,
+      planner.run(config, _TOPOLOGY.value, mfu=_MFU.value, json_path=_REPORT_JSON.value, keep=_PLAN_FITS.value,
                max_compiles=2 * _PLAN_FITS.value)
     else:
       aot.run(config, _TOPOLOGY.value, mfu=_MFU.value, json_path=_REPORT_JSON.value)
@@ -99,13 +100,13 @@ def _run(config, mode):
   elif mode == "generate":
     _print_generations(config)
   elif mode == "predict":
-    from lm_jax import predict
+    from lm_jax.evals import predict
     s, params, _ = train.restore_params(config, _WORKDIR.value)
     path, metrics = predict.predict(s, params, _WORKDIR.value)
     print(f"predictions: {path}" + "".join(f" | {k} {v:.4f}" for k, v in metrics.items()), flush=True)
   elif mode == "zeroshot":
     import json
-    from lm_jax import zeroshot
+    from lm_jax.evals import zeroshot
     result = zeroshot.run(config, _WORKDIR.value, _ZEROSHOT.value, cue=_CUE.value, threshold=_THRESHOLD.value,
                           threshold_split=_THRESHOLD_SPLIT.value)
     print(json.dumps(result), flush=True)
@@ -117,7 +118,7 @@ def _run(config, mode):
 
 
 def _print_generations(config):
-  from lm_jax import inference
+  from lm_jax.evals import inference
   options = dict(max_new_tokens=_MAX_NEW.value, method=_METHOD.value, temperature=_TEMPERATURE.value,
                  top_k=_TOP_K.value, top_p=_TOP_P.value, num_beams=_NUM_BEAMS.value, seed=_SEED.value)
   inference.check_generate_flags({name for name in options if flags.FLAGS[name].present}, **options)
@@ -127,7 +128,7 @@ def _print_generations(config):
 
 
 def _print_fills(config):
-  from lm_jax import inference
+  from lm_jax.evals import inference
   texts = inference.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
   for text, masks in zip(texts, inference.fill_mask(config, _WORKDIR.value, texts)):
     print(text)

@@ -9,25 +9,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import optim, params as params_lib, sharding
+from lm_jax import params as params_lib, sharding
 
 
 def init_state(params, tx, trainable=None) -> dict:
   """trainable: params.trainable_mask (None = every param trains); frozen params get no optimizer state."""
   return {"params": params, "opt_state": tx.init(params_lib.split(params, trainable)[0]),
           "step": jnp.zeros((), jnp.int32)}
-
-
-def state_layout(config, mesh, rules):
-  """(optimizer, lr schedule, abstract train state, its shardings on `mesh`), allocating nothing."""
-  logical = params_lib.logical_axes(config)   # the model's, plus the adapters of an adapter method
-  tx, lr = optim.make(config, logical)
-  abstract_params = params_lib.abstract(config)
-  params_sh = sharding.logical_to_sharding(logical, mesh, rules)
-  trainable = params_lib.trainable_mask(config)
-  abstract = jax.eval_shape(lambda p: init_state(p, tx, trainable), abstract_params)
-  opt_sh = sharding.opt_state_sharding(abstract["opt_state"], abstract_params, params_sh, mesh)
-  return tx, lr, abstract, {"params": params_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
 
 
 def fresh_state(config, tx, state_sharding) -> dict:
@@ -94,7 +82,7 @@ def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
 
 def make_eval_step(config, objective, params_sharding, mesh):
   """Jitted (params, batch) -> (metrics of that batch (loss, token_loss, accuracies), its denominators,
-  per-example outputs of objective.predict ({} without)), no dropout; lm_jax.evaluate turns them into corpus-level
+  per-example outputs of objective.predict ({} without)), no dropout; lm_jax.evals.evaluate turns them into corpus-level
   totals."""
   def step(params, batch):
     den = objective.denominators(batch)

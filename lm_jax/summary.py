@@ -1,5 +1,5 @@
 """`--mode=summary`: parameter count and per-module table from shapes alone (jax.eval_shape, no
-allocation), then the memory estimate when lm_jax.memory is there.
+allocation), then the memory estimate when lm_jax.plan.memory is there.
 
 `params:` counts the model without its task heads (BERT: BertModel with pooler, the paper's 110M /
 340M; GPT-1 and T5: everything, tied embeddings once); each head gets its own `head <name>:` line.
@@ -8,8 +8,9 @@ import math
 
 import jax
 
-from lm_jax import memory, models
+from lm_jax import models
 from lm_jax.models import layers
+from lm_jax.plan import memory
 
 
 def _rows(abstract) -> list[tuple[str, tuple, int, int]]:

@@ -12,26 +12,20 @@ import jax
 from etils import epath
 from flax import linen as nn
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
 
-from lm_jax import (checkpoint, config_lib, goodput, hardware, init_from, lm_eval_adapter, loop, memory,
-                    metrics_log, objectives, params as params_lib, predict, sharding, step, workdir_lock)
+from lm_jax import (checkpoint, checks, init_from, layout as layout_lib, loop, objectives, params as params_lib,
+                    sharding, step, workdir_lock)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
+from lm_jax.evals import lm_eval_adapter, predict
 from lm_jax.hf import export
+from lm_jax.obs import goodput, metrics_log
+from lm_jax.plan import hardware, memory
 
 
 @dataclasses.dataclass(frozen=True)
-class Setup:
-  """Everything a run builds from its config before the first step."""
-  config: object
-  objective: objectives.Objective
+class Setup(layout_lib.Layout):
+  """Everything a run builds from its config before the first step: its layout and its tokenizer."""
   tokenizer: tokenizer_lib.Tokenizer
-  mesh: Mesh
-  rules: tuple
-  tx: object                 # optax.GradientTransformation
-  lr_schedule: Callable
-  abstract_state: dict       # ShapeDtypeStructs of {params, opt_state, step}
-  state_sharding: dict       # their NamedShardings on `mesh`
 
 
 def setup(config, workdir: str, devices=None, *, held: contextlib.ExitStack | None = None) -> Setup:
@@ -42,15 +36,14 @@ def setup(config, workdir: str, devices=None, *, held: contextlib.ExitStack | No
   metrics_log.quiet_libraries()
   config = init_from.resolve(config)
   devices = jax.devices() if devices is None else list(devices)
-  config_lib.validate(config, len(devices), jax.process_count())
+  checks.validate(config, len(devices), jax.process_count())
   lm_eval_adapter.check(config)
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   if held is not None:
     held.enter_context(workdir_lock.hold(workdir))
   tokenizer = tokenizer_lib.load_or_train(config, workdir)
-  mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
-  tx, lr, abstract, state_sh = step.state_layout(config, mesh, rules)
-  return Setup(config, objectives.get(config.objective), tokenizer, mesh, rules, tx, lr, abstract, state_sh)
+  layout = layout_lib.build(config, sharding.make_mesh(config, devices))
+  return Setup(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}, tokenizer=tokenizer)
 
 
 def _hosts(kind: str, s: Setup, **kwargs):
@@ -128,7 +121,7 @@ def _loop(s: Setup, state, start: int, mngr, train_it, log, ledger) -> tuple[dic
 
 def compile_train_step(s: Setup) -> Callable:
   """The train step, compiled once at its first call (inside the first step's window, where the time split books
-  compilations) from that call's arguments; its per-device memory is printed then, next to lm_jax.memory's
+  compilations) from that call's arguments; its per-device memory is printed then, next to lm_jax.plan.memory's
   estimate, and the compiled executable runs every step."""
   jitted = step.make_train_step(s.config, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
   compiled = []
@@ -136,7 +129,7 @@ def compile_train_step(s: Setup) -> Callable:
   def train_step(state, batch):
     if not compiled:
       compiled.append(jitted.lower(state, batch).compile())
-      est = memory.estimate(s.config, mesh=tuple(s.mesh.shape[a] for a in sharding.AXES))
+      est = memory.estimate(s.config, layout=s)
       loop.say(memory.compiled_line(memory.measure(compiled[0], counts_flops=False), est))
     return compiled[0](state, batch)
   return train_step

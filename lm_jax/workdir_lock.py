@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lm_jax import metrics_log
+from lm_jax.obs import metrics_log
 
 NAME = "run.lock"
 

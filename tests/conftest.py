@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, metrics_log
+from lm_jax import config_lib
+from lm_jax.obs import metrics_log
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

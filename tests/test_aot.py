@@ -1,4 +1,4 @@
-"""--mode=compile (lm_jax.aot, lm_jax.plan, lm_jax.topology): the real steps compiled for TPU / GPU topologies.
+"""--mode=compile (lm_jax.plan: aot, planner, topology): the real steps compiled for TPU / GPU topologies.
 
 The compile runs in a subprocess under the interpreter of LM_JAX_AOT_PYTHON (a virtual environment with
 requirements-aot.txt; .ci/run makes it): libtpu and the CUDA plugin stay out of the environment the rest of the
@@ -24,19 +24,20 @@ OVERSIZED = ["--config=configs/gpt1.py:tiny", "--config.model.num_layers=1", "--
              "--config.eval_every=0"]
 
 # One process compiles every tiny family for every topology (JAX starts once) and checks each report against
-# lm_jax.memory's count of params + optimizer state.
+# lm_jax.plan.memory's count of params + optimizer state.
 DRIVER = """
 import json, sys
-from lm_jax import topology
+from lm_jax.plan import topology
 topology.prepare()
-from lm_jax import aot, config_lib, memory
+from lm_jax import config_lib
+from lm_jax.plan import aot, memory
 out = []
 for spec, name, flags in json.loads(sys.argv[1]):
   config = config_lib.load(spec, flags)
   topo = topology.get(name)
-  c, mesh, train, evaluate = aot.compile_steps(config, topo)
-  r = aot.report(c, topo, mesh, train, evaluate, 0.4)
-  est = memory.estimate(c, mesh=tuple(mesh.shape.values()))
+  lay, train, evaluate = aot.compile_steps(config, topo)
+  r = aot.report(lay, topo, train, evaluate, 0.4)
+  est = memory.estimate(lay.config, mesh=tuple(lay.mesh.shape.values()))   # planned apart from the compiled layout
   out.append({"spec": spec, "topology": name, "report": r, "estimate": est.params + est.opt_state})
 from lm_jax import sharding
 hybrid = sharding.make_mesh(config_lib.load("configs/gpt1.py:tiny", {"mesh.data": 4, "mesh.fsdp": 8}),

@@ -1,11 +1,12 @@
 """The trainer's start-up memory line (issue 23 part 3): the compiled train step's per-device memory, as
-compiled.memory_analysis() gives it, next to lm_jax.memory's estimate; the step is compiled once and trains."""
+compiled.memory_analysis() gives it, next to lm_jax.plan.memory's estimate; the step is compiled once and trains."""
 import re
 
 import jax
 
 from conftest import load_config
-from lm_jax import aot, memory, step, train
+from lm_jax import step, train
+from lm_jax.plan import aot, memory
 
 
 def test_memory_line_is_the_compiled_steps_memory_analysis(shared_data, tmp_path, capsys):
@@ -27,7 +28,7 @@ def test_memory_line_is_the_compiled_steps_memory_analysis(shared_data, tmp_path
   expected["total"] = (expected["arguments"] + expected["outputs"] - expected["aliased"] + expected["temporaries"]
                        + expected["code"])
   assert shown == {k: f"{v / 2**20:.1f}" for k, v in expected.items()}
-  assert "lm_jax.memory: params" in estimate_part
+  assert "lm_jax.plan.memory: params" in estimate_part
 
 
 def test_device_memory_in_log_records_where_the_device_reports_it():

@@ -18,7 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from lm_jax import checkpoint, metrics_log, optim, train
+from lm_jax import checkpoint, optim, train
+from lm_jax.obs import metrics_log
 from conftest import REPO, cli, flags, load_config, records
 
 STEPS = 150

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lm_jax import config_lib, models, objectives
+from lm_jax import checks, config_lib, models, objectives
 from conftest import REPO, flags
 
 VARIANTS = {"bert": ["base", "large", "base_512", "large_512", "tiny", "tiny_512"], "gpt1": ["gpt1", "tiny"],
@@ -76,7 +76,7 @@ def test_missing_file_and_unknown_variant_are_config_errors():
 def test_every_variant_loads_and_validates(file):
   for variant in VARIANTS[file]:
     config = config_lib.load(f"configs/{file}.py:{variant}", {"model.scan_layers": True})  # a fast eval_shape
-    config_lib.validate(config, num_devices=8)
+    checks.validate(config, num_devices=8)
     assert models.family(config.model).layout in objectives.get(config.objective).layouts
 
 
@@ -109,14 +109,14 @@ BAD_NUMBERS = [  # (field, value, message fragment)
 def test_numbers_out_of_range_are_rejected(field, value, message):
   config = config_lib.load("configs/gpt1.py:tiny", {field: value})
   with pytest.raises(config_lib.ConfigError) as info:
-    config_lib.validate(config, num_devices=1)
+    checks.validate(config, num_devices=1)
   assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_edge_values_in_range_pass():
   """0 = off / default for clip_norm, peak_tflops, target_len; no eval needs no eval batches; warmup may
   outlast a short schedule (rsqrt uses it as a constant)."""
-  config_lib.validate(config_lib.load("configs/gpt1.py:tiny", {
+  checks.validate(config_lib.load("configs/gpt1.py:tiny", {
       "optimizer.clip_norm": 0.0, "peak_tflops": 0.0, "optimizer.b1": 0.0, "optimizer.weight_decay": 0.0,
       "eval_every": 0, "data.eval_batches": 0, "total_steps": 5, "optimizer.warmup_steps": 20}), num_devices=1)
 

@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import evaluate, models, objectives, train
+from lm_jax import models, objectives, train
 from lm_jax.data import pipeline
+from lm_jax.evals import evaluate
 from conftest import load_config
 
 

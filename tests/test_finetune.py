@@ -11,11 +11,12 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lm_jax import (config_lib, defaults, evaluate, init_from, metrics_log, models, objectives, optim, params,
-                    predict, train)
+from lm_jax import checks, config_lib, defaults, init_from, models, objectives, optim, params, train
 from lm_jax.data import pipeline, records, tasks, tfds_prepare, tokenizer as tokenizer_lib
+from lm_jax.evals import evaluate, predict
 from lm_jax.hf import export
 from lm_jax.objectives import classify
+from lm_jax.obs import metrics_log
 from conftest import load_config
 
 torch = pytest.importorskip("torch")
@@ -287,7 +288,7 @@ def test_freeze_and_init_errors_name_the_field(tiny_hf, sst2):
   assert "reinit_top_layers must be in [0, model.num_layers=3]" in error(**{"finetune.reinit_top_layers": 4})
   assert "num_labels=2" in error(**{"task.label_names": ("a", "b", "c")})
   with pytest.raises(ValueError, match="needs config.model.num_labels >= 1"):
-    config_lib.validate(config_lib.load("configs/finetune/bert.py:tiny", {"model.num_labels": 0}), 1)
+    checks.validate(config_lib.load("configs/finetune/bert.py:tiny", {"model.num_labels": 0}), 1)
   with pytest.raises(ValueError, match="holds a 'bert' model but config.model.family='gpt'"):
     init_from.resolve(config_lib.load("configs/gpt1.py:tiny", {"init_from": tiny_hf}))
 

@@ -10,10 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, decoding, defaults, metrics_log, models, objectives, train
+from lm_jax import config_lib, decoding, defaults, models, objectives, train
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.data import toy_tasks
 from lm_jax.hf import export
+from lm_jax.obs import metrics_log
 from lm_jax.rlhf import ppo
 
 torch = pytest.importorskip("torch")

@@ -5,9 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import checkpoint, config_lib, defaults, init_from, metrics_log, models, objectives, optim, step, train
+from lm_jax import checkpoint, config_lib, defaults, init_from, models, objectives, optim, step, train
 from lm_jax.data import records, tasks, tokenizer as tokenizer_lib
 from lm_jax.objectives import gpt_classify
+from lm_jax.obs import metrics_log
 
 V = 40                      # the "pre-trained" vocabulary; the specials are 40, 41, 42
 S, D, E = V, V + 1, V + 2

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from lm_jax import hardware
+from lm_jax.plan import hardware
 
 
 @pytest.fixture

@@ -6,17 +6,19 @@ dodged by a function-level import is still a cycle here. Only the CLI entry poin
 import ast
 import collections
 import pathlib
+import subprocess
+import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ENTRY_POINTS = {"lm_jax.main", "lm_jax.scaling.__main__"}   # may import inside functions: startup time only
-_TRAINERS = ("lm_jax.train", "lm_jax.loop", "lm_jax.rlhf", "lm_jax.init_from", "lm_jax.predict")
+_TRAINERS = ("lm_jax.train", "lm_jax.loop", "lm_jax.rlhf", "lm_jax.init_from", "lm_jax.evals.predict")
 # The arrows of docs/architecture.md as what each part must NOT import (module-name prefixes).
 FORBIDDEN = {
     "lm_jax.models": ("lm_jax.data", "lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", "lm_jax.hf",
                       "lm_jax.decoding", *_TRAINERS),
     "lm_jax.hf": ("lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", *_TRAINERS),
     "lm_jax.data": ("lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", "lm_jax.hf", *_TRAINERS),
-    "lm_jax.objectives": ("lm_jax.step", "lm_jax.peft", *_TRAINERS),
+    "lm_jax.objectives": ("lm_jax.step", "lm_jax.peft", "lm_jax.decoding", *_TRAINERS),   # a loss, never a decoder
     "lm_jax.peft": ("lm_jax.params", "lm_jax.step", "lm_jax.objectives", *_TRAINERS),
     "lm_jax.params": ("lm_jax.step", "lm_jax.objectives", *_TRAINERS),
     "lm_jax.step": ("lm_jax.objectives", "lm_jax.peft", *_TRAINERS),
@@ -111,6 +113,26 @@ def test_dependencies_point_one_way():
   wrong = sorted((m, t) for m, targets in edges.items() for t in targets
                  for part, banned in FORBIDDEN.items() if _under(m, part) and any(_under(t, b) for b in banned))
   assert wrong == []
+
+
+FAMILY_MODULES = ("lm_jax.models.bert", "lm_jax.models.gpt", "lm_jax.models.gpt2", "lm_jax.models.t5")
+
+
+def test_no_family_module_imported_by_name_outside_models_and_hf():
+  """Everything else asks the family record (lm_jax.models.family), so adding a family touches no other module."""
+  edges, _ = _graph()
+  named = sorted((m, t) for m, targets in edges.items() for t in targets
+                 if t in FAMILY_MODULES and not (_under(m, "lm_jax.models") or _under(m, "lm_jax.hf")))
+  assert named == []
+
+
+def test_loading_a_config_imports_no_jax():
+  """config_lib loads, overrides and parses; checking against devices (lm_jax.checks) is where the library loads."""
+  code = ("import sys; from lm_jax import config_lib; config_lib.load('configs/bert.py:large', "
+          "{'optimizer.lr': 3e-4}); print(sorted(m for m in sys.modules if m.split('.')[0] in ('lm_jax', 'jax', "
+          "'flax', 'optax', 'orbax')))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+  assert out.stdout.split() == ["['lm_jax',", "'lm_jax.config_lib',", "'lm_jax.defaults']"]
 
 
 def test_the_checks_see_a_cycle():

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from conftest import cli, flags, load_config
-from lm_jax import inference, train
+from lm_jax import train
+from lm_jax.evals import inference
 
 
 @pytest.fixture(scope="module")

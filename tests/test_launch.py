@@ -217,14 +217,14 @@ def test_single_process_is_a_no_op():
   assert distributed.maybe_initialize() == ""
 
 
-# --- lm_jax.memory --------------------------------------------------------------------------------
+# --- lm_jax.plan.memory --------------------------------------------------------------------------------
 
 def _config(name, variant):
   return config_lib.load(f"configs/{name}.py:{variant}")
 
 
 def test_memory_params_and_adam_state_are_exact_and_split_by_fsdp():
-  from lm_jax import memory
+  from lm_jax.plan import memory
   config = _config("gpt1", "gpt1")
   one = memory.estimate(config, mesh=(1, 1, 1))
   assert one.params == 116_534_784 * 4                      # docs/reference.md#parameter-counts, float32
@@ -238,7 +238,7 @@ def test_memory_params_and_adam_state_are_exact_and_split_by_fsdp():
 
 
 def test_memory_activations_follow_rows_tensor_and_remat():
-  from lm_jax import memory
+  from lm_jax.plan import memory
   config = _config("t5", "small")
   config.model.scan_layers = True  # traced once: a fast eval_shape
   config.model.dropout_rate = config.model.attention_dropout_rate = 0.0
@@ -265,13 +265,14 @@ MEASURE = """
 import json
 import jax
 from flax import linen as nn
-from lm_jax import config_lib, sharding, step
+from lm_jax import config_lib, layout, sharding, step
 out = {}
 for name, variant, mesh in (("gpt1", "tiny", (2, 2, 2)), ("t5", "tiny", (1, 4, 2)), ("gpt1", "tiny", (1, 8, 1))):
   config = config_lib.load(f"configs/{name}.py:{variant}")
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
   m = sharding.make_mesh(config)
-  tx, _, _, state_sh = step.state_layout(config, m, sharding.rules(config))
+  lay = layout.build(config, m)
+  tx, state_sh = lay.tx, lay.state_sharding
   state = step.fresh_state(config, tx, state_sh)
   dev = jax.devices()[0]
   per_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
@@ -283,7 +284,7 @@ print(json.dumps(out))
 
 def test_memory_matches_a_real_sharded_train_state_on_8_devices():
   """Param and optimizer bytes on device 0 of a state the trainer initialised on 8 simulated devices."""
-  from lm_jax import memory
+  from lm_jax.plan import memory
   run = subprocess.run([sys.executable, "-c", MEASURE], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                                 XLA_FLAGS="--xla_force_host_platform_device_count=8"))
@@ -295,7 +296,7 @@ def test_memory_matches_a_real_sharded_train_state_on_8_devices():
 
 
 def test_memory_cli_prints_the_table_for_a_what_if_mesh():
-  run = subprocess.run([sys.executable, "-m", "lm_jax.memory", "--config=configs/gpt1.py:tiny", "--devices=16",
+  run = subprocess.run([sys.executable, "-m", "lm_jax.plan.memory", "--config=configs/gpt1.py:tiny", "--devices=16",
                         "--config.mesh.fsdp=4"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
   assert run.returncode == 0, run.stderr[-2000:]

@@ -8,8 +8,9 @@ import jax
 import pytest
 
 from conftest import REPO, load_config, records
-from lm_jax import config_lib, lm_eval_adapter, train
+from lm_jax import config_lib, train
 from lm_jax.data import tokenizer as tokenizer_lib
+from lm_jax.evals import lm_eval_adapter
 
 lm_eval = pytest.importorskip("lm_eval")
 huggingface = pytest.importorskip("lm_eval.models.huggingface")   # needs lm-eval[hf] (accelerate)

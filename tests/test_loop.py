@@ -10,8 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, metrics_log, train
+from lm_jax import checks, config_lib, train
 from lm_jax.data import pipeline
+from lm_jax.obs import metrics_log
 from conftest import REPO, load_config, records
 
 
@@ -118,4 +119,4 @@ def test_a_profiled_run_leaves_a_trace_of_its_steps(slow_run):
 def test_profile_steps_must_be_a_start_and_a_count(shared_data):
   config = load_config("clm", shared_data, **{"profile.steps": (0, 2)})
   with pytest.raises(config_lib.ConfigError, match=r"^config.profile.steps=\(0, 2\): want \(first step, number of"):
-    config_lib.validate(config, 1)
+    checks.validate(config, 1)

@@ -16,7 +16,8 @@ import pytest
 from flax import linen as nn
 
 from conftest import REPO
-from lm_jax import config_lib, decoding, defaults, hf, models, objectives, params as params_lib, sharding, step, train
+from lm_jax import (config_lib, decoding, defaults, hf, layout, models, objectives, params as params_lib, sharding, step,
+                    train)
 from lm_jax.hf import export
 from lm_jax.models import nf4
 from lm_jax.peft import lora
@@ -297,7 +298,7 @@ MESH_SCRIPT = textwrap.dedent("""
     from flax import linen as nn
     sys.path.insert(0, {tests!r})
     from test_step import _batch, _config
-    from lm_jax import objectives, sharding, step
+    from lm_jax import layout, objectives, sharding, step
     out = {{}}
     for mesh in [(1, 1, 1), (2, 2, 2)]:
       c = _config("clm", mesh=dict(data=mesh[0], fsdp=mesh[1], tensor=mesh[2]))
@@ -306,7 +307,8 @@ MESH_SCRIPT = textwrap.dedent("""
       c.lora.qlora = True
       devices = jax.devices()[:int(np.prod(mesh))]
       m = sharding.make_mesh(c, devices)
-      tx, lr, _, sh = step.state_layout(c, m, sharding.RULES)
+      lay = layout.build(c, m, sharding.RULES)
+      tx, lr, sh = lay.tx, lay.lr_schedule, lay.state_sharding
       with jax.set_mesh(m), nn.logical_axis_rules(sharding.RULES):
         state = step.fresh_state(c, tx, sh)
         train_step = step.make_train_step(c, objectives.get("clm"), tx, lr, sh, m)
@@ -348,7 +350,8 @@ def test_qlora_trains_adapters_on_a_frozen_nf4_base(tmp_path):
   config.lora.qlora = True
   lora.check(config)
   mesh = sharding.make_mesh(config)
-  tx, lr, _, sh = step.state_layout(config, mesh, sharding.RULES)
+  lay = layout.build(config, mesh, sharding.RULES)
+  tx, lr, sh = lay.tx, lay.lr_schedule, lay.state_sharding
   with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
     state = step.fresh_state(config, tx, sh)
     before = jax.device_get(state["params"])

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from lm_jax import checkpoint, config_lib, objectives, train
+from lm_jax import checkpoint, checks, config_lib, objectives, train
 from lm_jax.data import mixture, pipeline, sources, tokenizer
 from conftest import load_config, records, same_batches, take
 
@@ -176,7 +176,7 @@ def test_bad_mixture_is_one_line_naming_the_field(shared_data, change, message):
   first, second = c.data.mixture
   c.data.mixture = (first, {**second, **change})
   with pytest.raises(config_lib.ConfigError) as info:
-    config_lib.validate(c, num_devices=1)
+    checks.validate(c, num_devices=1)
   assert message in str(info.value) and "\n" not in str(info.value)
 
 
@@ -202,4 +202,4 @@ def test_mixture_from_the_command_line_and_beside_files(shared_data):
   assert [s.name for s in mixture.sources(c)] == ["shakespeare", "wiki"]
   c.data.files = "x.txt"
   with pytest.raises(config_lib.ConfigError, match=r"config.data.mixture and config.data.files are both set"):
-    config_lib.validate(c, num_devices=1)
+    checks.validate(c, num_devices=1)

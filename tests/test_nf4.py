@@ -161,7 +161,8 @@ def test_tree_round_trip_and_checkpoint(tmp_path):
 def test_memory_report_counts_nf4_weights_as_the_params_they_stand_for():
   from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-  from lm_jax import memory, sharding
+  from lm_jax import sharding
+  from lm_jax.plan import memory
   config = config_lib.load("configs/bert.py:tiny")
   abstract = models.abstract_params(config.model)
   quantised = jax.eval_shape(lambda p: nf4.quantize_tree(p, [r"kernel$"]), abstract)
@@ -174,8 +175,8 @@ def test_memory_report_counts_nf4_weights_as_the_params_they_stand_for():
 
 
 def test_memory_estimate_of_a_qlora_run():
-  from lm_jax import memory
   from lm_jax import params
+  from lm_jax.plan import memory
   config = config_lib.load("configs/finetune/bert.py:tiny", {"lora.rank": 8, "lora.qlora": True})
   est = memory.estimate(config, mesh=(1, 1, 1))
   trainable, total = params.count(config)

@@ -6,9 +6,10 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 
-from lm_jax import metrics_log, models, objectives, train
+from lm_jax import models, objectives, train
 from lm_jax.data import packing, rows
 from lm_jax.objectives import losses
+from lm_jax.obs import metrics_log
 from conftest import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

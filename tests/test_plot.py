@@ -1,4 +1,4 @@
-"""python -m lm_jax.plot: the curves of two runs' metrics.jsonl in one PNG."""
+"""python -m lm_jax.obs.plot: the curves of two runs' metrics.jsonl in one PNG."""
 import json
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from matplotlib import image
 
-from lm_jax import metrics_log, plot
+from lm_jax.obs import metrics_log, plot
 from conftest import REPO
 
 
@@ -31,7 +31,7 @@ def test_plot_writes_a_png_of_two_runs(tmp_path):
   a = _workdir(tmp_path / "a", range(10, 201, 10), 1.0)
   b = _workdir(tmp_path / "b", range(10, 101, 10), 1.2)
   out = tmp_path / "curves.png"
-  run = subprocess.run([sys.executable, "-m", "lm_jax.plot", str(a), str(b), "--out", str(out)], cwd=REPO,
+  run = subprocess.run([sys.executable, "-m", "lm_jax.obs.plot", str(a), str(b), "--out", str(out)], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
   assert run.returncode == 0 and run.stdout.strip() == f"wrote {out}", run.stderr[-2000:]
   height, width, _ = image.imread(out).shape
@@ -47,5 +47,5 @@ def test_plot_writes_a_png_of_two_runs(tmp_path):
 
 
 def test_plot_says_which_workdir_has_no_records(tmp_path):
-  with pytest.raises(SystemExit, match=f"^lm_jax.plot: no records in {tmp_path / 'metrics.jsonl'}$"):
+  with pytest.raises(SystemExit, match=f"^lm_jax.obs.plot: no records in {tmp_path / 'metrics.jsonl'}$"):
     plot.main([str(tmp_path)])

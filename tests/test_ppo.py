@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from lm_jax import config_lib, metrics_log, models
+from lm_jax import checks, config_lib, models
 from lm_jax.data import instructions, tokenizer
+from lm_jax.obs import metrics_log
 from lm_jax.rlhf import ppo, ppo_math, rollout
 from conftest import REPO
 
@@ -139,14 +140,14 @@ def test_adaptive_kl_controller():
 def test_config_mistakes_are_one_line(overrides, message):
   config = config_lib.load("configs/rlhf/ppo.py:tiny", overrides)
   with pytest.raises(config_lib.ConfigError, match="^" + re.escape(message)):
-    config_lib.validate(config, 1)
+    checks.validate(config, 1)
 
 
 def test_sst2_variant_validates_and_fits_the_sft_model():
   """configs/rlhf/ppo.py:sst2 with its two workdirs validates; prompt + response fit the SST-2 SFT model's positions;
   minibatches split the rollouts."""
   config = config_lib.load("configs/rlhf/ppo.py:sst2", {"init_from": "/tmp/sst2/sft", "ppo.reward_from": "/tmp/sst2/rm"})
-  config_lib.validate(config, 1)
+  checks.validate(config, 1)
   sft = config_lib.load("configs/rlhf/sft.py:sst2")
   assert config.ppo.prompt_len + config.ppo.max_new_tokens <= sft.model.max_positions
   assert config.ppo.prompts.startswith(sft.rlhf.files.replace("{split}.jsonl", ""))   # the SFT data's prompts

@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import defaults, models, probe
+from lm_jax import defaults, models
 from lm_jax.data import tasks
+from lm_jax.evals import probe
 from lm_jax.hf import export
 
 torch = pytest.importorskip("torch")
@@ -58,7 +59,7 @@ def test_features_are_the_hidden_states_of_transformers(tiny_hf):
 
 def test_command_line_prints_one_json_line_last(tiny_hf, shared_data):
   files = str(shared_data / "sst2" / "{split}.tsv")
-  out = subprocess.run([sys.executable, "-m", "lm_jax.probe", f"--init_from={tiny_hf}", f"--files={files}",
+  out = subprocess.run([sys.executable, "-m", "lm_jax.evals.probe", f"--init_from={tiny_hf}", f"--files={files}",
                         "--pooling=cls", "--layer=2", "--splits=train[:64],dev[:32],test[:32]", "--seq_len=32"],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]

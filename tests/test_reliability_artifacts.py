@@ -14,7 +14,8 @@ import sys
 import jax
 import pytest
 
-from lm_jax import checkpoint, config_lib, inference, init_from, models, probe, train, workdir_lock
+from lm_jax import checkpoint, config_lib, init_from, models, train, workdir_lock
+from lm_jax.evals import inference, probe
 from lm_jax.hf import export
 from conftest import REPO, cli, flags, load_config, values
 

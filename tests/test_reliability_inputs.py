@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, defaults, init_from, models, params as params_lib, probe
+from lm_jax import config_lib, defaults, init_from, models, params as params_lib
 from lm_jax.data import instructions, records, tasks, tokenizer as tokenizer_lib
+from lm_jax.evals import probe
 from lm_jax.hf import export
 from lm_jax.rlhf import ppo
 from conftest import REPO, cli
@@ -199,7 +200,7 @@ def test_init_from_and_the_reward_model_need_the_runs_tokenizer(two_tokenizers, 
 def test_probe_flag_values_exit_2_in_one_line(tmp_path):
   for flags, message in ((["--init_from=x", "--pooling=max"], "error: flag --pooling=max: value should be one of"),
                          (["--init_from=x", "--splits=a,b"], "error: --splits needs three splits")):
-    out = subprocess.run([sys.executable, "-m", "lm_jax.probe", *flags], cwd=REPO, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "lm_jax.evals.probe", *flags], cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr[-2000:]
     assert out.stderr.startswith(message), out.stderr

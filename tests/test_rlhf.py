@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, decoding, models, train
+from lm_jax import checks, config_lib, decoding, models, train
 from lm_jax.data import instructions, toy_tasks
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.objectives import dpo, reward, sft
@@ -216,7 +216,7 @@ def test_dpo_with_lora_uses_the_frozen_base_as_reference(toy, sft_run):
   fields = {"init_from": sft_dir, "total_steps": 60, "eval_every": 60, "log_every": 1, "model.frozen_reference": False,
             "lora.rank": 8, "lora.targets": ("kernel",), "optimizer.lr": 3e-3}
   with pytest.raises(ValueError, match="frozen_reference=False"):
-    config_lib.validate(_config("dpo", toy, **{**fields, "model.frozen_reference": True}), num_devices=1)
+    checks.validate(_config("dpo", toy, **{**fields, "model.frozen_reference": True}), num_devices=1)
   workdir = os.path.join(sft_dir, "dpo_lora")
   c = _config("dpo", toy, **fields)
   result = train.train(c, workdir)
@@ -234,8 +234,8 @@ def test_dpo_with_lora_uses_the_frozen_base_as_reference(toy, sft_run):
 def test_configs_validate_and_name_the_field_at_fault(stage):
   for variant in ("gpt1", "tiny", "sst2"):
     c = config_lib.load(f"configs/rlhf/{stage}.py:{variant}", {"model.scan_layers": True, "rlhf.files": "x_{split}.jsonl"})
-    config_lib.validate(c, num_devices=8)
+    checks.validate(c, num_devices=8)
   wrong = {"sft": {"rlhf.template": "nothing"}, "reward": {"model.num_labels": 0},
            "dpo": {"model.frozen_reference": False}}[stage]
   with pytest.raises(ValueError, match=next(iter(wrong))):
-    config_lib.validate(config_lib.load(f"configs/rlhf/{stage}.py:tiny", wrong), num_devices=1)
+    checks.validate(config_lib.load(f"configs/rlhf/{stage}.py:tiny", wrong), num_devices=1)

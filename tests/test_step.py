@@ -6,7 +6,7 @@ import optax
 import pytest
 from flax import linen as nn
 
-from lm_jax import defaults, models, objectives, optim, sharding, step
+from lm_jax import defaults, layout, models, objectives, optim, sharding, step
 
 FAMILY = {"clm": "gpt", "mlm": "bert", "span_corruption": "t5"}
 
@@ -45,7 +45,8 @@ def _run(config, steps=3):
   """Metrics of `steps` train steps from the same init on the same batch sequence, and the final state."""
   objective = objectives.get(config.objective)
   mesh = sharding.make_mesh(config)
-  tx, lr, _, state_sh = step.state_layout(config, mesh, sharding.RULES)
+  lay = layout.build(config, mesh, sharding.RULES)
+  tx, lr, state_sh = lay.tx, lay.lr_schedule, lay.state_sharding
   with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
     state = jax.device_put(step.init_state(models.init(config.model, jax.random.key(0)), tx), state_sh)
     train_step = step.make_train_step(config, objective, tx, lr, state_sh, mesh)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from scipy import special
 
-from lm_jax import checkpoint, config_lib, decoding, init_from, models, objectives, predict, train
+from lm_jax import checkpoint, config_lib, decoding, init_from, models, objectives, train
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
+from lm_jax.evals import predict
 from lm_jax.objectives import text_to_text
 
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree")
@@ -150,7 +151,8 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
 
   free = tiny_config(path, **{"data.tokenizer": tokenizer_path, "task.label_names": (), "model.num_labels": 0})
   tok = tokenizer_lib.load(tokenizer_path, "t5")
-  got = text_to_text.generate_texts(free, jax.device_get(result["state"]["params"]), tok, "test")
+  got = text_to_text.generate_texts(free, jax.device_get(result["state"]["params"]), tok, "test",
+                                     decoding.generate)
   assert got["target"] == truth and got["exact_match"] >= 0.95, got
   # --mode=predict of a free-form run writes its decoded texts (here after 2 steps: any texts will do)
   free.total_steps, free.checkpoint_every, free.eval_every, free.finetune.best_metric = 2, 2, 0, ""
@@ -158,7 +160,7 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
   out, metrics = predict.predict(*train.restore_params(free, str(tmp_path / "free"))[:2], str(tmp_path / "free"))
   with open(out) as f:
     written = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-  want = text_to_text.generate_texts(free, params, tok, "test")
+  want = text_to_text.generate_texts(free, params, tok, "test", decoding.generate)
   assert [r["prediction"] for r in written] == [" ".join(t.split()) for t in want["prediction"]]
   assert metrics == {"test_exact_match": want["exact_match"]}
 

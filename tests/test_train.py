@@ -1,7 +1,7 @@
 """The trainer in-process: config errors come before compiling."""
 import pytest
 
-from lm_jax import config_lib, train
+from lm_jax import checks, train
 from conftest import load_config
 
 
@@ -45,5 +45,5 @@ def test_bad_config_fails_before_compiling(objective, overrides, devices, error,
     if devices == 1:
       train.train(config, str(tmp_path))
     else:
-      config_lib.validate(config, num_devices=devices)
+      checks.validate(config, num_devices=devices)
   assert message in str(info.value) and "\n" not in str(info.value)

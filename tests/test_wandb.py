@@ -1,11 +1,12 @@
-"""Weights & Biases (config.wandb, lm_jax/wandb_log.py) with WANDB_MODE=offline: the run files W&B writes into the
+"""Weights & Biases (config.wandb, lm_jax/obs/wandb_log.py) with WANDB_MODE=offline: the run files W&B writes into the
 workdir hold the config and the log records, and a resumed run continues the same W&B run."""
 import struct
 
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from lm_jax import config_lib, metrics_log, train, wandb_log
+from lm_jax import checks, config_lib, train
+from lm_jax.obs import metrics_log, wandb_log
 from conftest import load_config
 
 _BLOCK = 32768   # the .wandb file is a LevelDB log (32 KiB blocks) after a 7-byte W&B header
@@ -72,4 +73,4 @@ def test_an_offline_run_holds_the_records_and_a_resumed_run_continues_it(shared_
 def test_bad_wandb_mode_is_one_line_naming_the_field(shared_data):
   config = load_config("clm", shared_data, **{"wandb.mode": "offlne"})
   with pytest.raises(config_lib.ConfigError, match=r"^config.wandb.mode='offlne' unknown; use online, offline"):
-    config_lib.validate(config, 1)
+    checks.validate(config, 1)

@@ -1,4 +1,4 @@
-"""lm_jax.zeroshot (GPT-1 §5's zero-shot heuristics) on a tiny random GPT: each heuristic's scores against
+"""lm_jax.evals.zeroshot (GPT-1 §5's zero-shot heuristics) on a tiny random GPT: each heuristic's scores against
 log-probabilities computed by hand from models.apply (numpy log-softmax at the scored positions), the accuracy and
 thresholds that follow from them, and one --mode=zeroshot run on a Hugging Face export of the same model."""
 import functools
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import cli
-from lm_jax import config_lib, defaults, models, zeroshot
+from lm_jax import config_lib, defaults, models
 from lm_jax.data import tokenizer as tokenizer_lib
+from lm_jax.evals import zeroshot
 from lm_jax.hf import export
 from lm_jax.models import layers
 

@@ -3,7 +3,7 @@ SST-2's tab-separated sentence/label files, read from the data directory given a
 `--metadata='{"data_dir": "..."}'` or, failing that, $LM_JAX_DATA (the layout lm_jax's tests use).
 
 A data directory that is missing is an error of one line: a ValueError / FileNotFoundError for lm_jax's trainer
-(lm_jax.lm_eval_adapter names the tasks), under lm-eval's command line `error: ...` and exit code 1, since that
+(lm_jax.evals.lm_eval_adapter names the tasks), under lm-eval's command line `error: ...` and exit code 1, since that
 prints the whole traceback of an exception (~50 lines around the one-line cause)."""
 import os
 import pathlib

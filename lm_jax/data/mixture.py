@@ -10,7 +10,7 @@ order (its own document shuffle, windows and epochs; NSP's random next sentence 
 is thus a function of the config, the seed and the step, whatever the number of hosts, and its position is every
 source's position.
 
-The fields are checked with the config (config_lib.validate); a glob without files or an unknown TFDS dataset is
+The fields are checked with the config (lm_jax.checks.validate); a glob without files or an unknown TFDS dataset is
 found when the source is first read (the tokenizer's training text), each a one-line error naming the source field.
 """
 import dataclasses

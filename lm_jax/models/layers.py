@@ -290,7 +290,7 @@ def attention_kernel(name: str, causal: bool):
 
 def compiling_for(platform: str):
   """Inside, the kernels are chosen for `platform` ('tpu', 'gpu') rather than the backend this process runs on:
-  lm_jax.aot compiles for a topology from a CPU host."""
+  lm_jax.plan.aot compiles for a topology from a CPU host."""
   return _setting(_PLATFORM, platform)
 
 

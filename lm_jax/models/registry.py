@@ -41,6 +41,7 @@ class Family:
   head_transform: bool = False      # a d_model transform before the vocabulary on scored positions (memory)
   init_cache: Callable | None = None     # (cfg, params, batch, max_length) -> KV cache (decoders)
   decode_step: Callable | None = None    # see layout
+  decoder_layers: Callable | None = None  # encoder_decoder: cfg -> layers of the decoder stack (memory)
 
   def __post_init__(self):
     if self.layout not in LAYOUTS:

@@ -250,4 +250,4 @@ FAMILY = Family(
     sizes=("relative_attention_num_buckets", "relative_attention_max_distance"), check_config=check_config,
     tokens=Tokens(spm=dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1), required=("pad_id", "eos_id"), sentinels=True,
                   template=("$A", "eos_id")),
-    init_cache=init_cache, decode_step=decode_step)
+    init_cache=init_cache, decode_step=decode_step, decoder_layers=num_decoder_layers)

@@ -17,7 +17,7 @@ specific to it, so no other module branches on its name:
                    its eval metrics (averaged over eval batches; `token_loss` gives perplexity and bits)
   predict          (optional) (config, params, batch) -> per-example {prediction, label, weight, index}: the eval
                    adds metrics over the whole eval set's predictions (F1, Matthews, Pearson / Spearman;
-                   lm_jax.evaluate.prediction_metrics) and --mode=predict writes them
+                   lm_jax.evals.evaluate.prediction_metrics) and --mode=predict writes them
   added_tokens     (optional) special tokens it appends to the pre-trained vocabulary as new embedding rows
                    (init_from.resolve): ids vocab_size - added_tokens .. vocab_size - 1, unknown to the tokenizer
   rollouts         (optional) True: it trains on rollouts of its own policy (PPO: rollouts, scoring, updates), so
@@ -27,17 +27,13 @@ A test (or a user's script) can register its own objective with `register` and t
 unchanged trainer.
 """
 from lm_jax import models
+from lm_jax.config_lib import require
 from lm_jax.objectives import (classify, clm, dpo, gpt_classify, mlm, ppo, reward, sft, span_corruption,
                                text_to_text)
 from lm_jax.objectives.registry import Lengths, Objective, get, names, register
 
 for _module in (mlm, clm, span_corruption, classify, gpt_classify, text_to_text, sft, reward, dpo, ppo):
   register(_module.OBJECTIVE)
-
-
-def _require(ok, message):
-  if not ok:
-    raise ValueError(message)
 
 
 def check(config):
@@ -48,16 +44,16 @@ def check(config):
   family = models.family(m)
   fitting = [f for f in models.names() if models.family(f).layout in objective.layouts]   # for the message
   needed = " or ".join(f"config.model.family={f!r}" for f in fitting)
-  _require(family.layout in objective.layouts,
+  require(family.layout in objective.layouts,
            f"config.objective={config.objective!r} needs {needed}, got {m.family!r}")
-  _require(m.vocab_size > 0, f"config.model.vocab_size must be > 0, got {m.vocab_size}")
-  _require(d.seq_len >= 1, f"config.data.seq_len must be >= 1, got {d.seq_len}")
+  require(m.vocab_size > 0, f"config.model.vocab_size must be > 0, got {m.vocab_size}")
+  require(d.seq_len >= 1, f"config.data.seq_len must be >= 1, got {d.seq_len}")
   if family.learned_positions:
-    _require(d.seq_len <= m.max_positions,
+    require(d.seq_len <= m.max_positions,
              f"config.data.seq_len={d.seq_len} exceeds config.model.max_positions={m.max_positions}")
-  _require(config.get("z_loss", 0.0) >= 0, f"config.z_loss must be >= 0, got {config.get('z_loss')}")
+  require(config.get("z_loss", 0.0) >= 0, f"config.z_loss must be >= 0, got {config.get('z_loss')}")
   ls = config.get("label_smoothing", 0.0)
-  _require(0 <= ls < 1, f"config.label_smoothing must be in [0, 1), got {ls}")
+  require(0 <= ls < 1, f"config.label_smoothing must be in [0, 1), got {ls}")
   objective.check(config)
 
 

@@ -4,7 +4,7 @@ Rows: one labelled task example each (lm_jax/data/tasks.py), never packed: [CLS]
 with token types 0 / 1, the longer text truncated first. The model (model.num_labels > 0) classifies the pooled
 [CLS] state. loss = mean cross-entropy over the labelled examples of the batch, or with num_labels = 1 the mean
 squared error (STS-B). Eval metrics: accuracy (or mse), and from the per-example predictions of the whole eval set
-F1 / Matthews correlation (or Pearson / Spearman), see lm_jax.evaluate.prediction_metrics.
+F1 / Matthews correlation (or Pearson / Spearman), see lm_jax.evals.evaluate.prediction_metrics.
 """
 import jax.numpy as jnp
 import numpy as np

@@ -9,22 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm_jax import models
+from lm_jax.config_lib import require
 from lm_jax.data import masking, nsp, packing, rows
 from lm_jax.objectives import losses
 from lm_jax.objectives.registry import Lengths, Objective
 
 
-def _require(ok, message):
-  if not ok:
-    raise ValueError(message)
-
-
 def check(config):
   m, d = config.model, config.data
-  _require(0 < d.mlm_probability < 1, f"config.data.mlm_probability must be in (0, 1), got {d.mlm_probability}")
-  _require(1 <= d.max_predictions_per_seq <= d.seq_len, f"config.data.max_predictions_per_seq must be in "
+  require(0 < d.mlm_probability < 1, f"config.data.mlm_probability must be in (0, 1), got {d.mlm_probability}")
+  require(1 <= d.max_predictions_per_seq <= d.seq_len, f"config.data.max_predictions_per_seq must be in "
            f"[1, seq_len={d.seq_len}], got {d.max_predictions_per_seq}")
-  _require(not d.nsp or m.type_vocab_size >= 2,
+  require(not d.nsp or m.type_vocab_size >= 2,
            f"config.data.nsp needs config.model.type_vocab_size >= 2, got {m.type_vocab_size}")
 
 

@@ -20,7 +20,7 @@ class Objective:
   loss: Callable          # (config, params, batch, den, *, rng, train) -> (loss, metrics); sums / den
   metric_denominators: dict = dataclasses.field(default_factory=dict)  # metric -> den key; default: min(den keys)
   predict: Callable | None = None  # (config, params, batch) -> per-example {prediction, label, weight, index}
-  predict_texts: Callable | None = None  # (config, params, tokenizer, split) -> {index, prediction (texts), target,
+  predict_texts: Callable | None = None  # (config, params, tokenizer, split, generate) -> {index, prediction, target,
                                          # exact_match} when predictions are decoded texts, else None
   added_tokens: int = 0  # special tokens appended to the pre-trained vocabulary (init_from.resolve)
   rollouts: bool = False  # trains on rollouts of its own policy (PPO): lm_jax.rlhf.ppo.train runs it, not train.train

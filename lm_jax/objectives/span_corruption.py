@@ -8,15 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm_jax import models
+from lm_jax.config_lib import require
 from lm_jax.data import corruption, rows
 from lm_jax.data.tokenizer import NUM_SENTINELS
 from lm_jax.objectives import losses
 from lm_jax.objectives.registry import Lengths, Objective
-
-
-def _require(ok, message):
-  if not ok:
-    raise ValueError(message)
 
 
 def _span_lengths(config):
@@ -32,14 +28,14 @@ def target_len(config) -> int:
 
 def check(config):
   m, d = config.model, config.data
-  _require(0 < d.noise_density < 1, f"config.data.noise_density must be in (0, 1), got {d.noise_density}")
-  _require(d.mean_noise_span_length >= 1,
+  require(0 < d.noise_density < 1, f"config.data.noise_density must be in (0, 1), got {d.noise_density}")
+  require(d.mean_noise_span_length >= 1,
            f"config.data.mean_noise_span_length must be >= 1, got {d.mean_noise_span_length}")
   specials = len({m.pad_token_id, m.eos_token_id, m.decoder_start_token_id}) + 1  # + unk
-  _require(m.vocab_size > NUM_SENTINELS + specials, f"config.model.vocab_size={m.vocab_size} leaves no room for "
+  require(m.vocab_size > NUM_SENTINELS + specials, f"config.model.vocab_size={m.vocab_size} leaves no room for "
            f"{NUM_SENTINELS} sentinels and {specials} special tokens")
   raw, targets = _span_lengths(config)
-  _require(d.target_len == 0 or d.target_len >= targets, f"config.data.target_len={d.target_len} is "
+  require(d.target_len == 0 or d.target_len >= targets, f"config.data.target_len={d.target_len} is "
            f"shorter than the {targets} targets of seq_len={d.seq_len} (raw {raw}); use 0 for auto")
 
 

@@ -12,7 +12,7 @@ target, as span_corruption.
 Metrics: loss, token_loss, token_accuracy, and exact_match: the share of examples whose every target token is the
 argmax, i.e. greedy decoding writes exactly the target. With label words (for regression: the 26 values 0.0 .. 5.0
 of STS-B's scale) the eval also predicts the candidate of the highest log-probability (T5's rank classification):
-accuracy, and over the eval set F1 / Matthews (Pearson / Spearman) via lm_jax.evaluate.prediction_metrics;
+accuracy, and over the eval set F1 / Matthews (Pearson / Spearman) via lm_jax.evals.evaluate.prediction_metrics;
 --mode=predict writes the label words. Free-form targets get no prediction in the eval step: generate_texts decodes
 them greedily (lm_jax.decoding.generate) and scores exact string match; --mode=predict writes those texts.
 """
@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm_jax import decoding, models
+from lm_jax import models
+from lm_jax.config_lib import require
 from lm_jax.data import records, rows, tasks
 from lm_jax.models import layers
 from lm_jax.objectives import losses
@@ -28,11 +29,6 @@ from lm_jax.objectives.registry import Lengths, Objective, no_transform
 
 STSB_VALUES = tuple(f"{v / 5:.1f}" for v in range(26))   # T5's STS-B targets: 0.0, 0.2, ..., 5.0
 _DECODER_KEYS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
-
-
-def _require(ok, message):
-  if not ok:
-    raise ValueError(message)
 
 
 def _num_labels(config) -> int:
@@ -62,12 +58,12 @@ def target_text(config, label) -> str:
 def check(config):
   n, t, d = _num_labels(config), config.task, config.data
   tasks.check(config)
-  _require(n <= 1 or t.label_names, f"config.objective='text_to_text' with config.model.num_labels={n} needs "
+  require(n <= 1 or t.label_names, f"config.objective='text_to_text' with config.model.num_labels={n} needs "
            "config.task.label_names (the words the decoder writes for the classes)")
-  _require(not t.field_names or len(t.field_names) == len(t.text_fields), f"config.task.field_names="
+  require(not t.field_names or len(t.field_names) == len(t.text_fields), f"config.task.field_names="
            f"{tuple(t.field_names)!r} must name each of config.task.text_fields={tuple(t.text_fields)!r}")
-  _require(d.seq_len >= 2, f"config.data.seq_len={d.seq_len} leaves no room for the input: text + EOS")
-  _require(d.target_len >= 2, f"config.data.target_len must be >= 2 for text_to_text (target tokens + EOS), "
+  require(d.seq_len >= 2, f"config.data.seq_len={d.seq_len} leaves no room for the input: text + EOS")
+  require(d.target_len >= 2, f"config.data.target_len must be >= 2 for text_to_text (target tokens + EOS), "
            f"got {d.target_len}")
 
 
@@ -100,7 +96,7 @@ def choice_ids(config, tokenizer) -> np.ndarray | None:
     return None
   ids = np.full((len(texts), choice_width(config)), tokenizer.pad_id, np.int32)
   for k, (text, tokens) in enumerate(zip(texts, tokenizer.encode_batch(list(texts)))):
-    _require(len(tokens) < ids.shape[1], f"config.task.label_names: {text!r} is {len(tokens)} tokens + EOS, more "
+    require(len(tokens) < ids.shape[1], f"config.task.label_names: {text!r} is {len(tokens)} tokens + EOS, more "
              f"than config.data.target_len={config.data.target_len}")
     ids[k, :len(tokens)], ids[k, len(tokens)] = tokens, tokenizer.eos_id
   return ids
@@ -219,10 +215,11 @@ def predict(config, params, batch):
   return dict(prediction=prediction, label=batch["labels"], weight=batch["label_weights"], index=index)
 
 
-def generate_texts(config, params, tokenizer, split: str, *, batch_size: int = 32) -> dict:
-  """Greedy decoding (lm_jax.decoding.generate, at most data.target_len tokens) of every usable example of
-  `split` -> {index, prediction (texts), target (texts; None when unlabelled), exact_match (the share of labelled
-  examples whose decoded text equals the target text, T5's exact match)}. Under the run's mesh, like generate."""
+def generate_texts(config, params, tokenizer, split: str, generate, *, batch_size: int = 32) -> dict:
+  """Greedy decoding with `generate` (lm_jax.decoding.generate, handed in by the caller: an objective is a loss and
+  never runs a decoder itself), at most data.target_len tokens, of every usable example of `split` -> {index,
+  prediction (texts), target (texts; None when unlabelled), exact_match (the share of labelled examples whose decoded
+  text equals the target text, T5's exact match)}. Under the run's mesh, like generate."""
   recs = text_records(config, split)
   found = [(i, rec) for i, rec in enumerate(recs) if not isinstance(rec, records.Bad)]
   if not found:
@@ -233,7 +230,7 @@ def generate_texts(config, params, tokenizer, split: str, *, batch_size: int = 3
   for start in range(0, len(prompts), batch_size):
     chunk = prompts[start:start + batch_size]
     chunk += [chunk[0]] * (batch_size - len(chunk))   # one shape: no recompilation for the last batch
-    outputs += decoding.generate(config.model, params, chunk, max_new_tokens=config.data.target_len, eos_id=eos,
+    outputs += generate(config.model, params, chunk, max_new_tokens=config.data.target_len, eos_id=eos,
                                  pad_id=tokenizer.pad_id)[:len(prompts) - start]
   texts = [tokenizer.decode(out[:-1] if out and out[-1] == eos else out) for out in outputs]
   targets = [rec.texts[1] if len(rec.texts) > 1 else None for _, rec in found]
@@ -242,9 +239,9 @@ def generate_texts(config, params, tokenizer, split: str, *, batch_size: int = 3
               exact_match=float(np.mean(scored)) if scored else float("nan"))
 
 
-def predict_texts(config, params, tokenizer, split: str) -> dict | None:
+def predict_texts(config, params, tokenizer, split: str, generate) -> dict | None:
   """--mode=predict of free-form targets: generate_texts; None with label words (the eval step predicts those)."""
-  return None if candidates(config) else generate_texts(config, params, tokenizer, split)
+  return None if candidates(config) else generate_texts(config, params, tokenizer, split, generate)
 
 
 OBJECTIVE = Objective(name="text_to_text", layouts=("encoder_decoder",), check=check, lengths=lengths, rows=row_layout,

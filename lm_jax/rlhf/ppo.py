@@ -35,11 +35,12 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import (checkpoint, goodput, init_from, loop as loop_lib, metrics_log, models, params as params_lib,
-                    sharding, step, train as train_lib)
+from lm_jax import (checkpoint, init_from, loop as loop_lib, models, params as params_lib, sharding, step,
+                    train as train_lib)
 from lm_jax.data import instructions, pipeline, tokenizer as tokenizer_lib
 from lm_jax.models import layers
 from lm_jax.objectives import clm, rewards
+from lm_jax.obs import goodput, metrics_log
 from lm_jax.rlhf import ppo_math, rollout, scoring, update
 
 TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record, with tokens_per_sec

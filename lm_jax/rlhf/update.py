@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm_jax import sharding, step
+from lm_jax import layout as layout_lib, sharding, step
 from lm_jax.objectives import clm
 from lm_jax.rlhf import ppo_math, rollout, scoring
 
@@ -71,8 +71,9 @@ class Part:
 
 def part(config, mesh, rules, objective) -> Part:
   """The model of `config` trained on `objective` (POLICY or VALUE) by lm_jax.step's train step."""
-  tx, lr, abstract, shardings = step.state_layout(config, mesh, rules)
-  return Part(config, tx, abstract, shardings, step.make_train_step(config, objective, tx, lr, shardings, mesh))
+  lay = layout_lib.build(config, mesh, rules)
+  return Part(config, lay.tx, lay.abstract_state, lay.state_sharding,
+              step.make_train_step(config, objective, lay.tx, lay.lr_schedule, lay.state_sharding, mesh))
 
 
 def epochs(policy: Part, value: Part, states: tuple, rollouts: dict, gen: np.random.Generator, ptx_it,

@@ -15,8 +15,9 @@ import pathlib
 import sys
 import time
 
-from lm_jax import config_lib, flops, metrics_log, objectives, train
+from lm_jax import config_lib, flops, objectives, train
 from lm_jax.data import tokenizer
+from lm_jax.obs import metrics_log
 
 CONFIG_FILE = pathlib.Path(__file__).resolve().parents[2] / "configs" / "gpt1.py"
 COLUMNS = ("budget", "N", "D", "C", "flops", "loss", "layers", "d_model", "steps", "seconds")

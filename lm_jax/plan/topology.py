@@ -1,10 +1,10 @@
-"""Accelerator topologies by name, as devices a CPU host can compile for (lm_jax.aot), and each device's memory.
+"""Accelerator topologies by name, as devices a CPU host can compile for (lm_jax.plan.aot), and each device's memory.
 
   TPU  v4-N, v5p-N     N TensorCores = N/2 chips, one megacore device per chip, hosts of 2x2x1 chips
        v5e-N, v6e-N    N chips, one device each, hosts of 2x2 chips (v5e-8 / v6e-8: one host of 2x4)
        KxNAME          K slices of NAME over the data-center network, e.g. 2xv5e-256
   GPU  h100-8, a100-8, h200-8, NxNAME (e.g. 4xh100-8)   N nodes of 8 GPUs; XLA's target description of the GPU
-       is data beside this file (lm_jax/gpu_specs/*.txtpb)
+       is data beside this file (lm_jax/plan/gpu_specs/*.txtpb)
 
 TPU slice shapes follow Cloud TPU's documented topologies (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e): a 3-D
 slice grows 2x2x1 -> 2x2x2 -> 2x2x4 -> 2x4x4 -> 4x4x4 -> ... doubling its smallest dimension from the last, with
@@ -53,7 +53,7 @@ def device_memory(kind: str) -> float:
   for name, gib in MEMORY_GIB:
     if name in kind:
       return gib * 2**30
-  raise ValueError(f"no memory size known for device kind {kind!r}; add it to lm_jax.topology.MEMORY_GIB")
+  raise ValueError(f"no memory size known for device kind {kind!r}; add it to lm_jax.plan.topology.MEMORY_GIB")
 
 
 def slice_shape(chips: int, dims: int) -> tuple:

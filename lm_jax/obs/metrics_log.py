@@ -1,5 +1,5 @@
 """workdir/metrics.jsonl (one JSON object per line), TensorBoard events (tensorboardX, no TensorFlow), Weights &
-Biases with config.wandb.project (lm_jax.wandb_log) and the console line. Only process 0 writes.
+Biases with config.wandb.project (lm_jax.obs.wandb_log) and the console line. Only process 0 writes.
 
 On resume the file is cut back to the restored step, so an interrupted-and-resumed run leaves exactly the
 records of an uninterrupted one (wall-clock fields such as tokens_per_sec aside). Workdirs may be remote
@@ -19,7 +19,7 @@ import jax
 from absl import logging as absl_logging
 from etils import epath
 
-from lm_jax import goodput, wandb_log
+from lm_jax.obs import goodput, wandb_log
 
 TIME_SPLIT = tuple(f"{k}_s" for k in goodput.SPLIT)   # a train record's time split (lm_jax.loop)
 WALL_CLOCK = ("tokens_per_sec", "mfu", *TIME_SPLIT)    # fields that depend on timing, not on the computation

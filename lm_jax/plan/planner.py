@@ -1,12 +1,12 @@
 """--mode=compile --plan: the fastest setting of a run that fits a topology, found before paying for it.
 
 Candidates: every mesh (data x fsdp x tensor, powers of two, tensor dividing the heads), microbatches that split
-the per-device rows evenly, remat policy (none, minimal, full) and scan_layers. lm_jax.memory's analytic model
+the per-device rows evenly, remat policy (none, minimal, full) and scan_layers. lm_jax.plan.memory's analytic model
 ranks them in seconds: those it predicts to fit, fastest first. Predicted time is the model's training FLOPs
 plus remat's recomputation (minimal: the attention and FFN activations' matmuls again, counted as a third of the
 forward pass; full: the forward pass again) at the stated MFU; at equal time the less communication first (data
 parallelism before fsdp before tensor), then fewer microbatches; the config's own scan setting before the other
-(the model cannot tell them apart; the compiler can). The first few are compiled (lm_jax.aot) until `keep` of
+(the model cannot tell them apart; the compiler can). The first few are compiled (lm_jax.plan.aot) until `keep` of
 them fit: the compiler has the last word on memory. The estimate leaves out what XLA adds (all-gathered FSDP
 weights, gradient buffers of gathered embeddings, fusion temporaries), so a setting it ranks first can still fail
 to compile; the table says so and the next one is tried.
@@ -16,7 +16,8 @@ import dataclasses
 import itertools
 import json
 
-from lm_jax import aot, config_lib, hardware, memory, objectives, topology
+from lm_jax import checks, config_lib, objectives
+from lm_jax.plan import aot, hardware, memory, topology
 
 RECOMPUTE = {"none": 0.0, "minimal": 1 / 3, "full": 1.0}   # extra forward passes, in forward passes
 
@@ -27,7 +28,7 @@ class Candidate:
   microbatches: int
   remat: str
   scan: bool
-  estimate: int      # lm_jax.memory's total bytes per device
+  estimate: int      # lm_jax.plan.memory's total bytes per device
   seconds: float     # predicted step time
 
   def overrides(self) -> dict:
@@ -80,28 +81,28 @@ def candidates(config, topo: topology.Topology, mfu: float) -> list[Candidate]:
 def run(config, topology_name: str, mfu: float = 0.4, json_path: str = "", keep: int = 3, max_compiles: int = 6):
   """Prints the table of compiled candidates and the best one's --config overrides; returns its report."""
   topo = topology.get(topology_name)
-  config_lib.validate(config, len(topo.devices), topo.hosts)
+  checks.validate(config, len(topo.devices), topo.hosts)
   ranked = candidates(config, topo, mfu)
   if not ranked:
     raise aot.OutOfMemory(f"no mesh / microbatches / remat setting fits {len(topo.devices)} x {topo.kind} by "
-                          f"lm_jax.memory's estimate: use more devices, a smaller batch or a smaller model")
-  print(f"plan: {len(ranked)} settings fit by lm_jax.memory's estimate; compiling the best (at most "
+                          f"lm_jax.plan.memory's estimate: use more devices, a smaller batch or a smaller model")
+  print(f"plan: {len(ranked)} settings fit by lm_jax.plan.memory's estimate; compiling the best (at most "
         f"{max_compiles})", flush=True)
   rows, best = [], None
   for cand in ranked[:max_compiles]:
     try:
-      c, mesh, train, evaluate = aot.compile_steps(_with(config, cand.overrides()), topo)
+      lay, train, evaluate = aot.compile_steps(_with(config, cand.overrides()), topo)
     except aot.OutOfMemory as e:
       rows.append((cand, None, str(e).split(";")[0]))
       continue
-    report = aot.report(c, topo, mesh, train, evaluate, mfu)
+    report = aot.report(lay, topo, train, evaluate, mfu)
     rows.append((cand, report, "fits"))
     best = best or (cand, report)
     if sum(r is not None for _, r, _ in rows) >= keep:
       break
   print(format_table(rows))
   if best is None:
-    raise aot.OutOfMemory(f"none of the {len(rows)} best settings by lm_jax.memory's estimate compiles within "
+    raise aot.OutOfMemory(f"none of the {len(rows)} best settings by lm_jax.plan.memory's estimate compiles within "
                           f"{topology.device_memory(topo.kind) / aot.GiB:.2f} GiB per {topo.kind}: {aot.CHANGES}")
   cand, report = best
   print(aot.format_report(report))

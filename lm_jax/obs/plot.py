@@ -1,4 +1,4 @@
-"""python -m lm_jax.plot WORKDIR [WORKDIR ...] [--out FILE]: the train and eval curves of one or several runs, from
+"""python -m lm_jax.obs.plot WORKDIR [WORKDIR ...] [--out FILE]: the train and eval curves of one or several runs, from
 their metrics.jsonl, in one PNG (matplotlib's Figure, without pyplot: no display, no global state).
 
 Panels, for the fields the records have: loss (train `loss`, eval `eval_loss` and a data mixture's `eval_SOURCE_loss`),
@@ -17,7 +17,7 @@ import sys
 import matplotlib
 from matplotlib.figure import Figure
 
-from lm_jax import metrics_log
+from lm_jax.obs import metrics_log
 
 PANELS = ("loss", "perplexity", "accuracy", "tokens/s")
 
@@ -81,7 +81,7 @@ def figure(runs: dict[str, list[dict]]):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m lm_jax.plot", description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m lm_jax.obs.plot", description=__doc__.split("\n\n")[0])
   parser.add_argument("workdirs", nargs="+", metavar="WORKDIR")
   parser.add_argument("--out", default="curves.png", help="the PNG to write (default: ./curves.png)")
   args = parser.parse_args(argv)
@@ -90,12 +90,12 @@ def main(argv=None):
     path = pathlib.Path(workdir) / "metrics.jsonl"
     records = metrics_log.read(path)
     if not records:
-      sys.exit(f"lm_jax.plot: no records in {path}")
+      sys.exit(f"lm_jax.obs.plot: no records in {path}")
     runs[workdir] = records
   try:
     fig = figure(runs)
   except ValueError as e:
-    sys.exit(f"lm_jax.plot: {e} ({', '.join(args.workdirs)})")
+    sys.exit(f"lm_jax.obs.plot: {e} ({', '.join(args.workdirs)})")
   fig.savefig(args.out, dpi=120)
   print(f"wrote {args.out}")
 

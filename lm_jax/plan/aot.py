@@ -2,16 +2,16 @@
 
   python -m lm_jax.main --mode=compile --config=configs/bert.py:large --topology=v4-32 [--plan] [--mfu=0.4]
 
-The steps are the trainer's own (step.state_layout, make_train_step, make_eval_step: mesh, rules, microbatches,
+The steps are the trainer's own (lm_jax.layout, step.make_train_step, make_eval_step: mesh, rules, microbatches,
 remat, scan, dtypes, objective, adapters) lowered on ShapeDtypeStructs of the train state and of the objective's
 batch features, so no tokenizer is trained, no data read and nothing written. XLA compiles them for the topology's
-devices (lm_jax.topology) and reports per-device memory (compiled.memory_analysis); the TPU compiler refuses a step
+devices (lm_jax.plan.topology) and reports per-device memory (compiled.memory_analysis); the TPU compiler refuses a step
 that does not fit, and so does this module for any device whose memory the step exceeds (topology.MEMORY_GIB).
 
 FLOPs per step are lm_jax.flops' exact matmul count (3x forward). XLA's own count (cost_analysis) is shown only
 where it is right: on TPU, without a scanned layer stack or microbatch loop (a scan's body is counted once) and it
 includes remat's recomputation; the CUDA compiler gives none. Predicted time = our FLOPs / (peak x MFU), peak from
-lm_jax.hardware's table, the MFU stated; communication and input time are not modelled.
+lm_jax.plan.hardware's table, the MFU stated; communication and input time are not modelled.
 """
 import json
 import re
@@ -20,8 +20,9 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from lm_jax import config_lib, hardware, init_from, memory, objectives, sharding, step, topology
+from lm_jax import checks, init_from, layout as layout_lib, sharding, step
 from lm_jax.models import layers
+from lm_jax.plan import hardware, memory, topology
 
 GiB = memory.GiB
 
@@ -56,20 +57,20 @@ CHANGES = ("run --plan, or raise config.microbatches, set config.model.remat_pol
 
 
 def compile_steps(config, topo: topology.Topology):
-  """(config as run, mesh, train step memory.Compiled, eval step memory.Compiled or None without evals) for `topo`;
-  OutOfMemory if either does not fit."""
+  """(the run's layout.Layout, train step memory.Compiled, eval step memory.Compiled or None without evals) for
+  `topo`; OutOfMemory if either does not fit."""
   config = init_from.resolve(config)
   devices = list(topo.devices)
-  config_lib.validate(config, len(devices), topo.hosts)
-  objective = objectives.get(config.objective)
-  mesh, rules = sharding.make_mesh(config, devices), sharding.rules(config)
-  tx, lr, abstract, state_sh = step.state_layout(config, mesh, rules)
-  state, batch = abstract_inputs(config, objective, abstract, state_sh, mesh)
+  checks.validate(config, len(devices), topo.hosts)
+  lay = layout_lib.build(config, sharding.make_mesh(config, devices))
+  objective, mesh, rules, state_sh = lay.objective, lay.mesh, lay.rules, lay.state_sharding
+  state, batch = abstract_inputs(config, objective, lay.abstract_state, state_sh, mesh)
   has = topology.device_memory(topo.kind)
   # a scan (scanned layers, the microbatch loop) is counted once by cost_analysis; CUDA gives no count
   counts = topo.platform == "tpu" and not config.model.scan_layers and config.microbatches == 1
   results = []
-  steps = [("the train step", step.make_train_step(config, objective, tx, lr, state_sh, mesh), (state, batch))]
+  steps = [("the train step", step.make_train_step(config, objective, lay.tx, lay.lr_schedule, state_sh, mesh),
+            (state, batch))]
   if config.eval_every:   # the trainer builds its evaluator only then
     steps.append(("the eval step (batch_size rows at once)",
                   step.make_eval_step(config, objective, state_sh["params"], mesh), (state["params"], batch)))
@@ -91,15 +92,15 @@ def compile_steps(config, topo: topology.Topology):
         raise OutOfMemory(f"{what} needs {result.total / GiB:.2f} GiB per device; a {topo.kind} has "
                           f"{has / GiB:.2f} GiB: {CHANGES}")
       results.append(result)
-  return config, mesh, results[0], results[1] if len(results) > 1 else None
+  return lay, results[0], results[1] if len(results) > 1 else None
 
 
-def report(config, topo: topology.Topology, mesh, train: memory.Compiled, evaluate: memory.Compiled | None,
-           mfu: float) -> dict:
+def report(lay: layout_lib.Layout, topo: topology.Topology, train: memory.Compiled,
+           evaluate: memory.Compiled | None, mfu: float) -> dict:
   """The numbers a run's plan needs (module docstring), per device unless named otherwise."""
-  objective = objectives.get(config.objective)
+  config, objective, mesh = lay.config, lay.objective, lay.mesh
   n = len(topo.devices)
-  est = memory.estimate(config, mesh=tuple(mesh.shape[a] for a in sharding.AXES))
+  est = memory.estimate(config, layout=lay)
   peak, peak_source = hardware.peak(list(topo.devices), config.peak_tflops)
   flops = objective.flops_per_example(config) * config.batch_size
   seconds = flops / (peak * mfu)
@@ -144,7 +145,7 @@ def format_report(r: dict) -> str:
       f"  code               {g(m['code'])}",
       f"  total              {g(m['total'])}   of {m['device'] / GiB:.2f} GiB ({m['total'] / m['device']:.0%}); "
       + (f"eval step {m['eval_total'] / GiB:.3f} GiB; " if m["eval_total"] else "no eval step (eval_every=0); ")
-      + f"lm_jax.memory's estimate {m['estimate_total'] / GiB:.3f} GiB",
+      + f"lm_jax.plan.memory's estimate {m['estimate_total'] / GiB:.3f} GiB",
       f"FLOPs per step {r['flops_per_step']:.4g} (per device: ours {r['flops_per_device_ours']:.4g}, XLA "
       + (f"{xla:.4g})" if xla else "not counted: scan / microbatch loop or GPU)"),
       f"step {r['step_seconds_at_peak'] * 1e3:.3g} ms at peak ({r['peak_source']}), {r['step_seconds'] * 1e3:.3g} ms "
@@ -159,8 +160,8 @@ def run(config, topology_name: str, mfu: float = 0.4, json_path: str = "") -> di
   if not 0 < mfu <= 1:
     raise ValueError(f"--mfu={mfu} must be in (0, 1]")
   topo = topology.get(topology_name)
-  config, mesh, train, evaluate = compile_steps(config, topo)
-  r = report(config, topo, mesh, train, evaluate, mfu)
+  lay, train, evaluate = compile_steps(config, topo)
+  r = report(lay, topo, train, evaluate, mfu)
   print(format_report(r), flush=True)
   if json_path:
     with open(json_path, "w") as f:

@@ -16,7 +16,7 @@ from etils import epath
 
 
 def check(config):
-  """One-line error for a bad config.profile.steps (config_lib.validate calls it before anything is built)."""
+  """One-line error for a bad config.profile.steps (checks.validate calls it before anything is built)."""
   steps = tuple(config.profile.steps)
   if steps and not (len(steps) == 2 and all(isinstance(n, int) and n >= 1 for n in steps)):
     raise ValueError(f"config.profile.steps={steps!r}: want (first step, number of steps), both >= 1; () = off")

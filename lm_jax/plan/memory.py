@@ -1,8 +1,8 @@
 """Per-device training memory for a config on a mesh, without the devices: pick a mesh before paying.
 
-  python -m lm_jax.memory --config=configs/bert.py:large --devices=16 --config.mesh.fsdp=16
+  python -m lm_jax.plan.memory --config=configs/bert.py:large --devices=16 --config.mesh.fsdp=16
 
-params, optimizer state: exact. The train state's abstract params and optimizer state (step.state_layout) are
+params, optimizer state: exact. The train state's abstract params and optimizer state (lm_jax.layout) are
   placed by the trainer's own rules (sharding.logical_to_sharding, opt_state_sharding) on an AbstractMesh of the
   requested sizes; bytes = sum of shard sizes, also shown per parameter (NF4-quantised weights, lm_jax.models.nf4,
   count as the weights they stand for: ~0.516 bytes each).
@@ -34,9 +34,8 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AbstractMesh
 
-from lm_jax import config_lib, models, objectives, params as params_lib, sharding, step
-from lm_jax.models import layers, t5
-from lm_jax.models import nf4
+from lm_jax import config_lib, layout as layout_lib, models, objectives, params as params_lib, sharding
+from lm_jax.models import layers, nf4
 
 GiB = 2**30
 
@@ -141,33 +140,34 @@ def activation_bytes(config, rows: int, div: dict) -> int:
 
   lengths = objectives.get(config.objective).lengths(config)
   L, T = lengths.inputs, lengths.targets
-  head = 8 * V + (4 * D * c if models.family(m).head_transform else 0)  # on the scored positions only
-  per_row = (3 * D * c + p * D) * (L + T) + head * lengths.scored
-  if T:   # encoder-decoder
-    per_row += stack(m.num_layers, L, L) + stack(t5.num_decoder_layers(m), T, T, L, L)
-  else:
-    per_row += stack(m.num_layers, L, L)
+  fam = models.family(m)
+  head = 8 * V + (4 * D * c if fam.head_transform else 0)  # on the scored positions only
+  per_row = (3 * D * c + p * D) * (L + T) + head * lengths.scored + stack(m.num_layers, L, L)
+  if fam.layout == "encoder_decoder":   # the decoder's self-attention over T, cross-attention over L
+    per_row += stack(fam.decoder_layers(m), T, T, L, L)
   return int(rows * per_row)
 
 
-def estimate(config, *, num_devices: int | None = None, mesh=None) -> Estimate:
+def estimate(config, *, num_devices: int | None = None, mesh=None, layout=None) -> Estimate:
   """Per-device memory of training `config`.
 
-  mesh: (data, fsdp, tensor) sizes for a 'what if' mesh; default config.mesh with its -1 filled from
-  num_devices (default jax.device_count()).
+  layout: the run's layout.Layout when it has one (the trainer, --mode=compile): its state is counted as built.
+  Otherwise one is built on an abstract mesh: mesh gives (data, fsdp, tensor) sizes for a 'what if' mesh; default
+  config.mesh with its -1 filled from num_devices (default jax.device_count()).
   """
-  if mesh is None:
+  if layout is not None:
+    mesh = tuple(layout.mesh.shape[a] for a in sharding.AXES)
+  elif mesh is None:
     mesh = sharding.mesh_shape(config, num_devices or jax.device_count())
   mesh = tuple(int(n) for n in mesh)
   if len(mesh) != 3 or min(mesh) < 1:
     raise ValueError(f"mesh must be 3 positive sizes (data, fsdp, tensor), got {mesh}")
-  abstract_mesh = AbstractMesh(mesh, sharding.AXES)
-  sizes = dict(zip(sharding.AXES, mesh))
-  rules = sharding.rules(config)
-
-  abstract_params = models.abstract_params(config.model)
-  sharding.check_divisible(abstract_params, models.logical_axes(config.model), sizes, rules)
-  _, _, abstract, state_sh = step.state_layout(config, abstract_mesh, rules)
+  if layout is None:
+    rules = sharding.rules(config)
+    sharding.check_divisible(models.abstract_params(config.model), models.logical_axes(config.model),
+                             dict(zip(sharding.AXES, mesh)), rules)
+    layout = layout_lib.build(config, AbstractMesh(mesh, sharding.AXES), rules)
+  abstract, state_sh = layout.abstract_state, layout.state_sharding
   params_sh, abstract_opt, opt_sh = state_sh["params"], abstract["opt_state"], state_sh["opt_state"]
 
   params, param_count = param_bytes(abstract["params"], params_sh)
@@ -223,7 +223,7 @@ def compiled_line(c: Compiled, est: Estimate) -> str:
   mib = lambda b: f"{b / 2**20:.1f}"
   return (f"memory per device (MiB): compiled step arguments {mib(c.arguments)} (params, optimizer state, batch), "
           f"outputs {mib(c.outputs)} (aliased {mib(c.aliased)}), temporaries {mib(c.temporaries)}, code "
-          f"{mib(c.code)}, total {mib(c.total)} | lm_jax.memory: params {mib(est.params)}, optimizer state "
+          f"{mib(c.code)}, total {mib(c.total)} | lm_jax.plan.memory: params {mib(est.params)}, optimizer state "
           f"{mib(est.opt_state)}, gradients {mib(est.grads)}, activations {mib(est.activations)}, total "
           f"{mib(est.total)}")
 

@@ -1,4 +1,4 @@
-"""Frozen-feature probe: `python -m lm_jax.probe --init_from=DIR --files='/data/sst2/{split}.tsv' --pooling=mean
+"""Frozen-feature probe: `python -m lm_jax.evals.probe --init_from=DIR --files='/data/sst2/{split}.tsv' --pooling=mean
 [--layer=N | --last4]`.
 
 Features of a frozen BERT (a Hugging Face directory, e.g. BertModel, or an lm_jax workdir's latest checkpoint): the

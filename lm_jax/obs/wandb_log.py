@@ -1,5 +1,5 @@
 """Weights & Biases for a run whose config.wandb.project is set: its config and every log record, from process 0
-(lm_jax.metrics_log calls this). One W&B run per workdir: the run id is kept in WORKDIR/wandb_run_id, so a resumed
+(lm_jax.obs.metrics_log calls this). One W&B run per workdir: the run id is kept in WORKDIR/wandb_run_id, so a resumed
 run continues the same W&B run (wandb.init(id=..., resume="allow")).
 
 Records carry their own `step` as W&B's x-axis (define_metric), not W&B's internal step: a resumed run logs again the
@@ -19,7 +19,7 @@ MODES = ("", "online", "offline", "disabled")
 
 
 def check(config):
-  """One-line errors for config.wandb (config_lib.validate calls it before anything is built)."""
+  """One-line errors for config.wandb (checks.validate calls it before anything is built)."""
   w = config.wandb
   if w.mode not in MODES:
     raise ValueError(f"config.wandb.mode={w.mode!r} unknown; use online, offline or disabled ('' = WANDB_MODE)")

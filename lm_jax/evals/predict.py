@@ -6,8 +6,9 @@ import string
 import jax
 import numpy as np
 
-from lm_jax import evaluate, params as params_lib, sharding, step
+from lm_jax import decoding, params as params_lib, sharding, step
 from lm_jax.data import pipeline
+from lm_jax.evals import evaluate
 
 
 def eval_outputs(eval_step, params, batches: list, mesh) -> list:
@@ -24,7 +25,7 @@ def predictions(outputs: list) -> dict:
 
 
 def eval_record(objective, outputs: list, text_per_token: dict | None = None) -> dict:
-  """The eval metrics of eval_outputs: corpus-exact over every batch (lm_jax.evaluate.summarize), and for an
+  """The eval metrics of eval_outputs: corpus-exact over every batch (lm_jax.evals.evaluate.summarize), and for an
   objective with predictions the metrics over the whole eval set."""
   sums = [({k: float(v) for k, v in m.items()}, {k: float(v) for k, v in d.items()}) for m, d, _ in outputs]
   record = evaluate.summarize(sums, lambda metric: objective.denominator_of(metric, sums[0][1]), text_per_token)
@@ -51,8 +52,8 @@ def predict(s, params, workdir: str) -> tuple[str, dict]:
   c.data.eval_split, c.data.eval_batches = c.task.test_split, 0
   safe = "".join(ch if ch in string.ascii_letters + string.digits + "-_" else "_" for ch in c.task.test_split)
   path = os.path.join(workdir, f"predictions_{safe}.tsv")
-  texts = s.objective.predict_texts(c, params_lib.materialize(c, params), s.tokenizer, c.task.test_split) \
-      if s.objective.predict_texts else None
+  texts = s.objective.predict_texts(c, params_lib.materialize(c, params), s.tokenizer, c.task.test_split,
+                                    decoding.generate) if s.objective.predict_texts else None
   if texts is not None:   # decoded texts (free-form T5 targets): tabs and newlines inside them become spaces
     clean = lambda t: " ".join(t.split())
     _write(path, [f"{i}\t{clean(t)}" for i, t in zip(texts["index"], texts["prediction"])])

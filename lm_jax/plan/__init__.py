@@ -1,0 +1,1 @@
+"""Planning before paying: compile for a topology, memory, hardware peaks, the planner."""
