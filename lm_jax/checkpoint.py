@@ -25,9 +25,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from lm_jax import params as params_lib
 from lm_jax.data import mixture
 from lm_jax.obs import metrics_log
-from lm_jax.peft import methods
 
 # Model fields that change how the model runs, not which parameters it has: free to differ on resume.
 RUNTIME_MODEL_FIELDS = ("dtype", "dropout_rate", "attention_dropout_rate", "remat_policy")
@@ -252,10 +252,10 @@ def check_state(saved_tree, abstract_state, saved_config: dict, config, what: st
 
 
 def _check_adapters(saved_config: dict, config, what: str):
-  """One-line error when the checkpoint was trained with other adapters (the config groups of peft.methods) than the
+  """One-line error when the checkpoint was trained with other adapters (params.ADAPTER_GROUPS) than the
   config has: the usual cause of a state that does not fit when evaluating or exporting an adapter run."""
   now = _plain(config)
-  for group in methods.METHODS:
+  for group in params_lib.ADAPTER_GROUPS:
     old, new = saved_config.get(group) or {}, now.get(group) or {}
     fields = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if fields:

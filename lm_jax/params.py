@@ -25,6 +25,9 @@ from lm_jax.models import layers, nf4
 from lm_jax.peft import methods, targets
 
 
+ADAPTER_GROUPS = tuple(methods.METHODS)   # the config groups of the adapter methods ('lora', 'ia3')
+
+
 def method(config) -> str | None:
   """The config group of the adapter method config turns on ('lora', 'ia3'), or None."""
   m = methods.active(config)

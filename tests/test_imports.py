@@ -24,6 +24,7 @@ FORBIDDEN = {
     "lm_jax.step": ("lm_jax.objectives", "lm_jax.peft", *_TRAINERS),
     "lm_jax.loop": ("lm_jax.train", "lm_jax.step", "lm_jax.rlhf"),
     "lm_jax.train": ("lm_jax.rlhf",),
+    "lm_jax.checkpoint": ("lm_jax.peft",),   # adapters reach checkpoints through the params policy
 }
 
 
