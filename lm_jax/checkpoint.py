@@ -184,27 +184,62 @@ def restore_latest(mngr, abstract_state, shardings, config, *, with_data: bool) 
   """The newest readable checkpoint placed with `shardings`, or None when there is none; with_data: also the
   data-iterator state, unless data_changes() makes it meaningless.
 
-  A step that cannot be read (a file truncated or emptied) is skipped with one warning line naming the file
-  and the error, and left on disk until save() replaces it (a read can fail for a moment on a remote file
-  system); none readable -> a one-line FileNotFoundError naming the directory. A checkpoint of another model
-  or optimizer is a one-line ValueError (check_model, check_state), not a reason to fall back."""
-  unreadable = []
-  for step in sorted(mngr.all_steps(), reverse=True):
+  The steps are listed afresh before each try: a trainer beside this reader (an evaluator, an export) deletes old
+  steps as it saves, so a step that vanishes mid-read is passed over for the newest one still there. A step that
+  stays on disk and cannot be read (a file truncated or emptied) is skipped with one warning line naming the file
+  and the error, and left on disk until save() replaces it (a read can fail for a moment on a remote file system);
+  none readable -> a one-line FileNotFoundError naming the directory. A checkpoint of another model or optimizer
+  is a one-line ValueError (check_model, check_state), not a reason to fall back."""
+  failed = {}   # step -> why it could not be read
+  while (step := _newest_untried(mngr, failed)) is not None:
     try:
       restored = _restore_step(mngr, step, abstract_state, shardings, config, with_data)
     except _Unreadable as e:
-      unreadable.append((step, str(e).replace(f"{mngr.directory}/", "")))  # the directory is named once
+      failed[step] = str(e).replace(f"{mngr.directory}/", "")  # the directory is named once
       continue
-    if unreadable:
-      steps = ", ".join(str(s) for s, _ in unreadable)
-      causes = "; ".join(cause for _, cause in unreadable)
-      metrics_log.warn(f"checkpoint step{'s' * (len(unreadable) > 1)} {steps} in {mngr.directory} unreadable "
-                       f"({causes}); falling back to step {step}")
+    _warn_unreadable(mngr, failed, step)
     return restored
-  if unreadable:
-    raise FileNotFoundError(f"no readable checkpoint in {mngr.directory} ({unreadable[0][1]}); move the directory "
-                            "away or use a new --workdir")
+  if failed:
+    raise FileNotFoundError(f"no readable checkpoint in {mngr.directory} ({next(iter(failed.values()))}); "
+                            + _advice(mngr, failed))
   return None
+
+
+def _newest_untried(mngr, failed: dict) -> int | None:
+  """The newest step on disk now (listed afresh) that has not failed yet; None when none is left."""
+  mngr.reload()
+  return max((s for s in mngr.all_steps() if s not in failed), default=None)
+
+
+def read_config(mngr) -> dict | None:
+  """The saved config of the newest step whose config can be read, re-listing when a step vanishes mid-read (see
+  restore_latest); None without a step."""
+  failed = {}
+  while (step := _newest_untried(mngr, failed)) is not None:
+    try:
+      return _read(mngr, step, "config", ocp.args.JsonRestore())
+    except _Unreadable as e:
+      failed[step] = str(e).replace(f"{mngr.directory}/", "")
+  if failed:
+    raise FileNotFoundError(f"no readable checkpoint config in {mngr.directory} ({next(iter(failed.values()))}); "
+                            + _advice(mngr, failed))
+  return None
+
+
+def _warn_unreadable(mngr, failed: dict, step: int):
+  """One warning for the steps that failed and are still on disk; those a trainer deleted mid-read are no fault."""
+  kept = [s for s in failed if s in mngr.all_steps()]
+  if kept:
+    steps = ", ".join(map(str, kept))
+    metrics_log.warn(f"checkpoint step{'s' * (len(kept) > 1)} {steps} in {mngr.directory} unreadable "
+                     f"({'; '.join(failed[s] for s in kept)}); falling back to step {step}")
+
+
+def _advice(mngr, failed: dict) -> str:
+  mngr.reload()
+  if not set(failed) & set(mngr.all_steps()):
+    return "every step was deleted while being read (a trainer keeping few checkpoints); try again"
+  return "move the directory away or use a new --workdir"
 
 
 def _restore_step(mngr, step, abstract_state, shardings, config, with_data) -> Restored:

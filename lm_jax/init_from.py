@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from lm_jax import checkpoint, models, objectives, params as params_lib, step
@@ -69,10 +68,10 @@ def _require_checkpoint(path: str):
 
 
 def _latest_config(mngr, path: str) -> dict:
-  latest = mngr.latest_step()
-  if latest is None:
+  saved = checkpoint.read_config(mngr)   # the newest step still there: a trainer may be deleting old ones
+  if saved is None:
     _require_checkpoint(path)
-  return mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+  return saved
 
 
 def source_model(path: str) -> tuple[ml_collections.ConfigDict, str]:
