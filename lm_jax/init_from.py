@@ -17,7 +17,9 @@ A Hugging Face directory is read here only: source_model (its config.json and to
 weights, lm_jax.hf.export.load_hf), whether a run starts from it or evaluates, exports, probes or decodes it.
 """
 import glob
+import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -61,10 +63,22 @@ def saved_config(path: str) -> dict:
 
 
 def _require_checkpoint(path: str):
+  if os.path.isfile(os.path.join(path, "adapter_config.json")) and not is_hf(path):
+    raise ValueError(f"config.init_from={path!r} is a PEFT adapter, not a model: put its base model in "
+                     f"config.init_from and the adapter in config.{_adapter_field(path)}.init_from")
   if not checkpoint.has_checkpoint(path):
     what = "does not exist" if not os.path.exists(path) else "is neither a Hugging Face directory (config.json) nor " \
         "a workdir with a checkpoint"
     raise FileNotFoundError(f"config.init_from={path!r} {what}")
+
+
+def _adapter_field(path: str) -> str:
+  """'ia3' for a PEFT IA3 adapter directory, else 'lora' (LoRA and QLoRA; also for an unreadable adapter_config)."""
+  try:
+    kind = json.loads(pathlib.Path(path, "adapter_config.json").read_text()).get("peft_type", "")
+  except (OSError, ValueError, AttributeError):
+    kind = ""
+  return "ia3" if str(kind).upper() == "IA3" else "lora"
 
 
 def _latest_config(mngr, path: str) -> dict:
