@@ -49,10 +49,22 @@ def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Checkpoi
   # otherwise meet at the same orbax barrier and fail ('Barrier ... is already ongoing').
   key = hashlib.sha1(str(directory(workdir)).encode()).hexdigest()[:12]
   barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=key)
-  return ocp.CheckpointManager(
+  return _listing(lambda: ocp.CheckpointManager(
       directory(workdir), item_handlers=handlers,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           cleanup_tmp_directories=not read_only, multiprocessing_options=barriers))
+                                           cleanup_tmp_directories=not read_only, multiprocessing_options=barriers)))
+
+
+def _listing(read, tries: int = 20):
+  """read() of orbax's step list, again when a step vanished between its listing and its stat (a trainer beside this
+  reader deleting an old step); a FileNotFoundError of another cause comes back every try."""
+  for attempt in range(tries):
+    try:
+      return read()
+    except FileNotFoundError:
+      if attempt == tries - 1:
+        raise
+      time.sleep(0.05)
 
 
 def has_checkpoint(workdir: str) -> bool:
@@ -207,7 +219,7 @@ def restore_latest(mngr, abstract_state, shardings, config, *, with_data: bool) 
 
 def _newest_untried(mngr, failed: dict) -> int | None:
   """The newest step on disk now (listed afresh) that has not failed yet; None when none is left."""
-  mngr.reload()
+  _listing(mngr.reload)
   return max((s for s in mngr.all_steps() if s not in failed), default=None)
 
 
@@ -236,7 +248,7 @@ def _warn_unreadable(mngr, failed: dict, step: int):
 
 
 def _advice(mngr, failed: dict) -> str:
-  mngr.reload()
+  _listing(mngr.reload)
   if not set(failed) & set(mngr.all_steps()):
     return "every step was deleted while being read (a trainer keeping few checkpoints); try again"
   return "move the directory away or use a new --workdir"

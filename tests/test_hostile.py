@@ -2,10 +2,12 @@
 and checks the exit code, that stderr is one line, and that line's words. One tiny trained workdir is shared."""
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from conftest import cli, flags
+from conftest import REPO, cli, flags
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +50,56 @@ def test_init_from_an_adapter_says_where_the_adapter_goes(run, tmp_path, peft_ty
   (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 16)
   result = cli(*run[1], f"--workdir={tmp_path / 'new'}", f"--init_from={adapter}")
   one_line(result, 1, "adapter", "base model", "config.init_from", f"config.{field}.init_from")
+
+
+# --------------------------------------------------------------------------------------------- an export never
+# replaces a run: its workdir, its init_from, a folder holding a run, however the path is spelled.
+@pytest.mark.parametrize("target", ["init_from", "init_from_via_symlink", "own_workdir_via_dotdot", "holds_a_run",
+                                    "inside_checkpoints"])
+def test_an_export_never_replaces_a_run(run, tmp_path, target):
+  source, finetune = copy(run, tmp_path), tmp_path / "finetune"   # finetune: a run started from source
+  (tmp_path / "link").symlink_to(source)
+  shutil.copytree(source, tmp_path / "runs" / "deep" / "old")
+  workdir, out, guarded = {
+      "init_from": (finetune, source, source),
+      "init_from_via_symlink": (finetune, tmp_path / "link", source),
+      "own_workdir_via_dotdot": (source, tmp_path / "x" / ".." / "copy", source),
+      "holds_a_run": (finetune, tmp_path / "runs", tmp_path / "runs" / "deep" / "old"),
+      "inside_checkpoints": (source, source / "checkpoints" / "hf", source)}[target]
+  before = sorted(p.relative_to(guarded) for p in guarded.rglob("*"))
+  init = [f"--init_from={source}"] if workdir == finetune else []
+  result = cli(*run[1], f"--workdir={workdir}", *init, "--mode=export", f"--export_dir={out}", "--overwrite")
+  one_line(result, 2, f"--export_dir={out}", "choose another --export_dir")
+  assert sorted(p.relative_to(guarded) for p in guarded.rglob("*")) == before
+
+
+def main_with(patch: str, *args):
+  """`python -m lm_jax.main *args` after the Python lines `patch` (a fault no test machine has: a full disk)."""
+  code = (f"import sys\n{patch}\nfrom absl import app\nfrom lm_jax import config_lib, main\n"
+          f"sys.argv = ['lm_jax.main', *{list(map(str, args))!r}]\napp.run(main.main, flags_parser=config_lib.parse_flags)")
+  return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_a_full_disk_mid_export_is_one_line_and_leaves_nothing(run, tmp_path):
+  full = """
+import safetensors
+from lm_jax.hf import export
+def save_file(tensors, path, **kwargs):   # what safetensors raises when the disk fills mid-file
+  open(path, "wb").write(b"partial")
+  raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                                    '"No space left on device" })')
+export.save_file = save_file"""
+  out = tmp_path / "out"
+  result = main_with(full, *run[1], f"--workdir={run[0]}", "--mode=export", f"--export_dir={out}")
+  one_line(result, 1, f"exporting to {out} failed", "No space left on device", "nothing was written")
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_gpt2_exports_name_the_tokenizers_own_end_of_text(shared_data, tmp_path):
+  common = [f.replace("gpt1.py", "gpt2.py") for f in flags("clm", shared_data, total_steps=1, checkpoint_every=1)]
+  assert cli(*common, f"--workdir={tmp_path / 'run'}").returncode == 0
+  result = cli(*common, f"--workdir={tmp_path / 'run'}", "--mode=export", f"--export_dir={tmp_path / 'hf'}")
+  assert result.returncode == 0, result.stderr[-2000:]
+  config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  end = json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"]
+  assert config["bos_token_id"] == config["eos_token_id"] == end < config["vocab_size"]
