@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import shutil
 from typing import Callable
 
 import jax
@@ -175,6 +176,25 @@ def _train(config, workdir: str, devices, held: contextlib.ExitStack) -> dict:
   return {**result, "state": state}
 
 
+@contextlib.contextmanager
+def removed_if_unused(workdir: str):
+  """Removes `workdir` when the block fails and the workdir did not exist before it and holds no result yet (no
+  checkpoint step, no metrics record): a run that stops at start leaves no run.lock, empty checkpoints/ or trained
+  tokenizer behind, so the corrected command starts afresh. Process 0 removes; remote workdirs are left alone."""
+  created = "://" not in workdir and not os.path.lexists(workdir)
+  try:
+    yield
+  except BaseException:
+    if created and jax.process_index() == 0 and os.path.isdir(workdir) and not _has_results(workdir):
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+
+
+def _has_results(workdir: str) -> bool:
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  return _holds_run_steps(pathlib.Path(workdir)) or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+
+
 def restore_params(config, workdir: str):
   """(setup, params placed on the mesh, step) of init_from.eval_source: the latest checkpoint in workdir, or without
   one config.init_from's model."""
@@ -239,11 +259,14 @@ def _check_export_target(config, workdir: str, export_dir: str, overwrite: bool)
 
 
 def _holds_run(folder: pathlib.Path, files: list[str]) -> bool:
-  """Whether `folder` is a run's workdir: its lock file (files: os.walk's listing, else looked up) or a step folder in
-  its checkpoints/ (complete or not: a run that never finished a save is a run too)."""
+  """Whether `folder` is a run's workdir: its lock file (files: os.walk's listing, else looked up) or a step."""
+  return workdir_lock.NAME in files or (folder / workdir_lock.NAME).exists() or _holds_run_steps(folder)
+
+
+def _holds_run_steps(folder: pathlib.Path) -> bool:
+  """Whether folder/checkpoints holds a step folder, complete or not (a run that never finished a save is a run)."""
   steps = folder / "checkpoints"
-  return (workdir_lock.NAME in files or (folder / workdir_lock.NAME).exists()
-          or steps.is_dir() and any(p.name.split(".")[0].isdigit() for p in steps.iterdir()))
+  return steps.is_dir() and any(p.name.split(".")[0].isdigit() for p in steps.iterdir())
 
 
 def _within(path: str, folder: str) -> bool:

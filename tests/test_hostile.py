@@ -103,3 +103,70 @@ def test_gpt2_exports_name_the_tokenizers_own_end_of_text(shared_data, tmp_path)
   config = json.loads((tmp_path / "hf" / "config.json").read_text())
   end = json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"]
   assert config["bos_token_id"] == config["eos_token_id"] == end < config["vocab_size"]
+
+
+# ---------------------------------------------------------------------------------- flags of another mode, targets
+@pytest.mark.parametrize("args, words", [
+    (["--topology=v4-8"], ["--topology", "--mode=compile", "not --mode=train"]),
+    (["--plan"], ["--plan", "--mode=compile"]),
+    (["--mode=eval", "--export_dir=/tmp/x"], ["--export_dir", "--mode=export", "not --mode=eval"]),
+    (["--mode=compile", "--topology=v4-8", "--plan", "--mfu=0"], ["--mfu=0.0", "(0, 1]"]),
+    (["--mode=compile", "--topology=v4-8", "--plan", "--plan_fits=0"], ["--plan_fits=0", "at least 1"]),
+    (["--mode=compile", "--topology=v4-8", "--plan_fits=2"], ["--plan_fits", "--plan"]),
+    (["--mode=compile", "--topology=v9-8"], ["--topology='v9-8' unknown"]),
+    (["--mode=compile", "--topology=0xv5e-8"], ["0 slices"]),
+    (["--mode=compile", "--topology=v4-12"], ["--topology='v4-12'", "not a slice size"]),
+    (["--mode=compile", "--topology=h100-8", "--config.model.attention=splash"], ["splash", "h100-8", "cudnn or xla"]),
+    (["--mode=compile", "--topology=v5e-8", "--config.model.attention=cudnn"], ["cudnn", "v5e-8", "splash or xla"]),
+], ids=["topology_when_training", "plan_when_training", "export_dir_when_evaluating", "mfu_0", "plan_fits_0",
+        "plan_fits_without_plan", "unknown_topology", "zero_slices", "no_such_slice", "splash_on_gpu", "cudnn_on_tpu"])
+def test_flags_of_another_mode_or_target_exit_2_writing_nothing(run, tmp_path, args, words):
+  result = cli(*run[1], f"--workdir={tmp_path / 'new'}", *args)
+  one_line(result, 2, *words)
+  assert not (tmp_path / "new").exists()
+
+
+# ------------------------------------------------------------------------------- the environment, the start, records
+@pytest.mark.parametrize("env, words", [
+    ({"WANDB_MODE": "onlin"}, ["WANDB_MODE='onlin'", "online, offline or disabled"]),
+    ({"WANDB_MODE": "online"}, ["no W&B API key", "WANDB_API_KEY", "wandb.mode=offline"]),
+], ids=["unknown_mode", "online_without_key"])
+def test_wandb_settings_are_one_line_before_the_workdir(run, tmp_path, env, words):
+  env = {**env, "WANDB_API_KEY": "", "HOME": str(tmp_path), "NETRC": str(tmp_path / "netrc")}
+  result = cli(*run[1], f"--workdir={tmp_path / 'new'}", "--config.wandb.project=p", env=env)
+  one_line(result, 2, *words)
+  assert not (tmp_path / "new").exists()
+
+
+def test_a_run_that_stops_at_start_leaves_no_workdir(run, tmp_path):
+  (tmp_path / "empty.txt").write_text("")
+  result = cli(*run[1], f"--workdir={tmp_path / 'new'}", f"--config.data.files={tmp_path / 'empty.txt'}")
+  assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+  assert not (tmp_path / "new").exists()
+
+
+def test_observability_that_cannot_write_never_costs_training(run, tmp_path):
+  workdir = tmp_path / "new"
+  workdir.mkdir()
+  (workdir / "profile").write_text("a file where the profile folder goes")
+  (workdir / "tensorboard").write_text("a file where TensorBoard's folder goes")
+  result = cli(*run[1], f"--workdir={workdir}", "--config.profile.steps=(1,1)")
+  assert result.returncode == 0, result.stderr[-3000:]
+  warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+  assert len(warnings) == 2 and "profile" in warnings[0] + warnings[1] and "TensorBoard" in " ".join(warnings)
+  assert (workdir / "checkpoints" / "2").is_dir()
+
+
+def test_a_torn_middle_line_of_metrics_is_skipped_by_name(run, tmp_path):
+  workdir = copy(run, tmp_path)
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  torn = [lines[0], lines[1][:10], *lines[2:]]
+  (workdir / "metrics.jsonl").write_text("\n".join(torn) + "\n")
+  plot = subprocess.run([sys.executable, "-m", "lm_jax.plot", str(workdir), "--out", str(tmp_path / "c.png")],
+                        cwd=REPO, capture_output=True, text=True)
+  assert plot.returncode == 0 and "line 2" in plot.stderr, plot.stderr
+  result = cli(*run[1], f"--workdir={workdir}", "--config.total_steps=3")
+  assert result.returncode == 0 and "line 2" in result.stderr, result.stderr[-2000:]
+  kept = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert kept[:len(lines) - 1] == [json.loads(line) for i, line in enumerate(lines) if i != 1]
+  assert kept[-1]["step"] == 3
