@@ -170,3 +170,11 @@ def test_a_torn_middle_line_of_metrics_is_skipped_by_name(run, tmp_path):
   kept = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert kept[:len(lines) - 1] == [json.loads(line) for i, line in enumerate(lines) if i != 1]
   assert kept[-1]["step"] == 3
+
+
+def test_mixture_weights_that_overflow_together_exit_2(run, shared_data, tmp_path):
+  text = shared_data / "tiny_shakespeare" / "input.txt"
+  mix = tuple(dict(name=n, files=str(text), weight=1e308) for n in ("a", "b"))
+  result = cli(*run[1], f"--workdir={tmp_path / 'new'}", "--config.data.files=", f"--config.data.mixture={mix!r}")
+  one_line(result, 2, "config.data.mixture weights", "sum to inf", "scale them down")
+  assert not (tmp_path / "new").exists()
