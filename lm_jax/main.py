@@ -7,9 +7,13 @@ config) or 1 (data, checkpoints, files); see lm_jax.config_lib.user_errors. --mo
 or for an objective that trains on its own rollouts (Objective.rollouts: PPO) lm_jax.rlhf.ppo.train, which builds on
 lm_jax.train (main -> rlhf -> train -> objectives; nothing below main imports rlhf).
 """
-from lm_jax import malloc
+import sys
+
+from lm_jax import malloc, quiet_start
 
 malloc.keep_freed_memory()  # before anything starts JAX's backend
+if quiet_start.wanted(sys.argv):
+  quiet_start.install(sys.argv)   # before JAX is imported: its plugins log on import
 
 from absl import app, flags  # noqa: E402
 

@@ -1,6 +1,7 @@
 """A hostile user on the command line (issue 30's classes): each case runs `python -m lm_jax.main` as a user would
 and checks the exit code, that stderr is one line, and that line's words. One tiny trained workdir is shared."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -178,3 +179,15 @@ def test_mixture_weights_that_overflow_together_exit_2(run, shared_data, tmp_pat
   result = cli(*run[1], f"--workdir={tmp_path / 'new'}", "--config.data.files=", f"--config.data.mixture={mix!r}")
   one_line(result, 2, "config.data.mixture weights", "sum to inf", "scale them down")
   assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.skipif(not os.environ.get("LM_JAX_AOT_PYTHON"), reason="LM_JAX_AOT_PYTHON (the compile venv) unset")
+@pytest.mark.parametrize("topology", ["v5e-8", "h100-8"])
+def test_compile_starts_quietly_and_errors_stay_one_line(topology):
+  python = os.environ["LM_JAX_AOT_PYTHON"]
+  compile_ = [python, "-m", "lm_jax.main", "--mode=compile", "--config=configs/gpt1.py:tiny", f"--topology={topology}"]
+  done = subprocess.run([*compile_, "--config.model.num_layers=1"], cwd=REPO, capture_output=True, text=True)
+  assert done.returncode == 0 and done.stdout.startswith(f"{topology}: 8 x"), done.stderr[-3000:]
+  assert done.stderr == ""   # libtpu's and the CUDA plugin's start-up lines, E0000 ... INVALID_ARGUMENT among them
+  refused = subprocess.run([*compile_, "--config.model.num_layers=0"], cwd=REPO, capture_output=True, text=True)
+  one_line(refused, 2, "num_layers")
