@@ -73,7 +73,7 @@ def has_checkpoint(workdir: str) -> bool:
     return False
   mngr = manager(workdir, 1, read_only=True)
   try:
-    return mngr.latest_step() is not None
+    return _newest_untried(mngr, {}) is not None
   finally:
     mngr.close()
 
@@ -217,10 +217,25 @@ def restore_latest(mngr, abstract_state, shardings, config, *, with_data: bool) 
   return None
 
 
-def _newest_untried(mngr, failed: dict) -> int | None:
-  """The newest step on disk now (listed afresh) that has not failed yet; None when none is left."""
-  _listing(mngr.reload)
-  return max((s for s in mngr.all_steps() if s not in failed), default=None)
+def _newest_untried(mngr, failed: dict, wait_s: float = 30.0) -> int | None:
+  """The newest step on disk now (listed afresh) that has not failed yet; None when none is left. While none is left
+  and a save is under way (a trainer keeping one step may delete it before its next one is complete), waits for it."""
+  deadline = time.monotonic() + wait_s
+  while True:
+    _listing(mngr.reload)
+    step = max((s for s in mngr.all_steps() if s not in failed), default=None)
+    if step is not None or time.monotonic() > deadline or not _saving(mngr.directory):
+      return step
+    time.sleep(0.1)
+
+
+def _saving(folder, recent_s: float = 60.0) -> bool:
+  """Whether a step is being written in folder: a temporary step folder changed in the last recent_s seconds (one
+  older is what a killed run left)."""
+  try:
+    return any(ocp.step.is_path_temporary(p) and time.time() - p.stat().mtime < recent_s for p in folder.iterdir())
+  except OSError:   # a temporary folder renamed or removed while listed: a save was under way
+    return folder.exists()
 
 
 def read_config(mngr) -> dict | None:
