@@ -49,10 +49,22 @@ def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Checkpoi
   # otherwise meet at the same orbax barrier and fail ('Barrier ... is already ongoing').
   key = hashlib.sha1(str(directory(workdir)).encode()).hexdigest()[:12]
   barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=key)
-  return ocp.CheckpointManager(
+  return _listing(lambda: ocp.CheckpointManager(
       directory(workdir), item_handlers=handlers,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           cleanup_tmp_directories=not read_only, multiprocessing_options=barriers))
+                                           cleanup_tmp_directories=not read_only, multiprocessing_options=barriers)))
+
+
+def _listing(read, tries: int = 20):
+  """read() of orbax's step list, again when a step vanished between its listing and its stat (a trainer beside this
+  reader deleting an old step); a FileNotFoundError of another cause comes back every try."""
+  for attempt in range(tries):
+    try:
+      return read()
+    except FileNotFoundError:
+      if attempt == tries - 1:
+        raise
+      time.sleep(0.05)
 
 
 def has_checkpoint(workdir: str) -> bool:
@@ -61,7 +73,7 @@ def has_checkpoint(workdir: str) -> bool:
     return False
   mngr = manager(workdir, 1, read_only=True)
   try:
-    return mngr.latest_step() is not None
+    return _newest_untried(mngr, {}) is not None
   finally:
     mngr.close()
 
@@ -184,27 +196,77 @@ def restore_latest(mngr, abstract_state, shardings, config, *, with_data: bool) 
   """The newest readable checkpoint placed with `shardings`, or None when there is none; with_data: also the
   data-iterator state, unless data_changes() makes it meaningless.
 
-  A step that cannot be read (a file truncated or emptied) is skipped with one warning line naming the file
-  and the error, and left on disk until save() replaces it (a read can fail for a moment on a remote file
-  system); none readable -> a one-line FileNotFoundError naming the directory. A checkpoint of another model
-  or optimizer is a one-line ValueError (check_model, check_state), not a reason to fall back."""
-  unreadable = []
-  for step in sorted(mngr.all_steps(), reverse=True):
+  The steps are listed afresh before each try: a trainer beside this reader (an evaluator, an export) deletes old
+  steps as it saves, so a step that vanishes mid-read is passed over for the newest one still there. A step that
+  stays on disk and cannot be read (a file truncated or emptied) is skipped with one warning line naming the file
+  and the error, and left on disk until save() replaces it (a read can fail for a moment on a remote file system);
+  none readable -> a one-line FileNotFoundError naming the directory. A checkpoint of another model or optimizer
+  is a one-line ValueError (check_model, check_state), not a reason to fall back."""
+  failed = {}   # step -> why it could not be read
+  while (step := _newest_untried(mngr, failed)) is not None:
     try:
       restored = _restore_step(mngr, step, abstract_state, shardings, config, with_data)
     except _Unreadable as e:
-      unreadable.append((step, str(e).replace(f"{mngr.directory}/", "")))  # the directory is named once
+      failed[step] = str(e).replace(f"{mngr.directory}/", "")  # the directory is named once
       continue
-    if unreadable:
-      steps = ", ".join(str(s) for s, _ in unreadable)
-      causes = "; ".join(cause for _, cause in unreadable)
-      metrics_log.warn(f"checkpoint step{'s' * (len(unreadable) > 1)} {steps} in {mngr.directory} unreadable "
-                       f"({causes}); falling back to step {step}")
+    _warn_unreadable(mngr, failed, step)
     return restored
-  if unreadable:
-    raise FileNotFoundError(f"no readable checkpoint in {mngr.directory} ({unreadable[0][1]}); move the directory "
-                            "away or use a new --workdir")
+  if failed:
+    raise FileNotFoundError(f"no readable checkpoint in {mngr.directory} ({next(iter(failed.values()))}); "
+                            + _advice(mngr, failed))
   return None
+
+
+def _newest_untried(mngr, failed: dict, wait_s: float = 30.0) -> int | None:
+  """The newest step on disk now (listed afresh) that has not failed yet; None when none is left. While none is left
+  and a save is under way (a trainer keeping one step may delete it before its next one is complete), waits for it."""
+  deadline = time.monotonic() + wait_s
+  while True:
+    _listing(mngr.reload)
+    step = max((s for s in mngr.all_steps() if s not in failed), default=None)
+    if step is not None or time.monotonic() > deadline or not _saving(mngr.directory):
+      return step
+    time.sleep(0.1)
+
+
+def _saving(folder, recent_s: float = 60.0) -> bool:
+  """Whether a step is being written in folder: a temporary step folder changed in the last recent_s seconds (one
+  older is what a killed run left)."""
+  try:
+    return any(ocp.step.is_path_temporary(p) and time.time() - p.stat().mtime < recent_s for p in folder.iterdir())
+  except OSError:   # a temporary folder renamed or removed while listed: a save was under way
+    return folder.exists()
+
+
+def read_config(mngr) -> dict | None:
+  """The saved config of the newest step whose config can be read, re-listing when a step vanishes mid-read (see
+  restore_latest); None without a step."""
+  failed = {}
+  while (step := _newest_untried(mngr, failed)) is not None:
+    try:
+      return _read(mngr, step, "config", ocp.args.JsonRestore())
+    except _Unreadable as e:
+      failed[step] = str(e).replace(f"{mngr.directory}/", "")
+  if failed:
+    raise FileNotFoundError(f"no readable checkpoint config in {mngr.directory} ({next(iter(failed.values()))}); "
+                            + _advice(mngr, failed))
+  return None
+
+
+def _warn_unreadable(mngr, failed: dict, step: int):
+  """One warning for the steps that failed and are still on disk; those a trainer deleted mid-read are no fault."""
+  kept = [s for s in failed if s in mngr.all_steps()]
+  if kept:
+    steps = ", ".join(map(str, kept))
+    metrics_log.warn(f"checkpoint step{'s' * (len(kept) > 1)} {steps} in {mngr.directory} unreadable "
+                     f"({'; '.join(failed[s] for s in kept)}); falling back to step {step}")
+
+
+def _advice(mngr, failed: dict) -> str:
+  _listing(mngr.reload)
+  if not set(failed) & set(mngr.all_steps()):
+    return "every step was deleted while being read (a trainer keeping few checkpoints); try again"
+  return "move the directory away or use a new --workdir"
 
 
 def _restore_step(mngr, step, abstract_state, shardings, config, with_data) -> Restored:

@@ -17,13 +17,14 @@ A Hugging Face directory is read here only: source_model (its config.json and to
 weights, lm_jax.hf.export.load_hf), whether a run starts from it or evaluates, exports, probes or decodes it.
 """
 import glob
+import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from lm_jax import checkpoint, layout as layout_lib, models, objectives, params as params_lib
@@ -62,17 +63,29 @@ def saved_config(path: str) -> dict:
 
 
 def _require_checkpoint(path: str):
+  if os.path.isfile(os.path.join(path, "adapter_config.json")) and not is_hf(path):
+    raise ValueError(f"config.init_from={path!r} is a PEFT adapter, not a model: put its base model in "
+                     f"config.init_from and the adapter in config.{_adapter_field(path)}.init_from")
   if not checkpoint.has_checkpoint(path):
     what = "does not exist" if not os.path.exists(path) else "is neither a Hugging Face directory (config.json) nor " \
         "a workdir with a checkpoint"
     raise FileNotFoundError(f"config.init_from={path!r} {what}")
 
 
+def _adapter_field(path: str) -> str:
+  """'ia3' for a PEFT IA3 adapter directory, else 'lora' (LoRA and QLoRA; also for an unreadable adapter_config)."""
+  try:
+    kind = json.loads(pathlib.Path(path, "adapter_config.json").read_text()).get("peft_type", "")
+  except (OSError, ValueError, AttributeError):
+    kind = ""
+  return "ia3" if str(kind).upper() == "IA3" else "lora"
+
+
 def _latest_config(mngr, path: str) -> dict:
-  latest = mngr.latest_step()
-  if latest is None:
+  saved = checkpoint.read_config(mngr)   # the newest step still there: a trainer may be deleting old ones
+  if saved is None:
     _require_checkpoint(path)
-  return mngr.restore(latest, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+  return saved
 
 
 def source_model(path: str) -> tuple[ml_collections.ConfigDict, str]:

@@ -7,9 +7,14 @@ config) or 1 (data, checkpoints, files); see lm_jax.config_lib.user_errors. --mo
 or for an objective that trains on its own rollouts (Objective.rollouts: PPO) lm_jax.rlhf.ppo.train, which builds on
 lm_jax.train (main -> rlhf -> train -> objectives; nothing below main imports rlhf).
 """
+import sys
+
 from lm_jax import malloc
+from lm_jax.plan import quiet_start
 
 malloc.keep_freed_memory()  # before anything starts JAX's backend
+if quiet_start.wanted(sys.argv):
+  quiet_start.install(sys.argv)   # before JAX is imported: its plugins log on import
 
 from absl import app, flags  # noqa: E402
 
@@ -58,14 +63,41 @@ _MFU = flags.DEFINE_float("mfu", 0.4, "--mode=compile: the MFU the predicted ste
 _REPORT_JSON = flags.DEFINE_string("report_json", "", "--mode=compile: also write the report as JSON here")
 
 
+# The modes each mode-specific flag applies to: given with another mode it is refused, not ignored (a --topology
+# without --mode=compile once trained BERT-large on the CPU).
+_MODE_FLAGS = {
+    **dict.fromkeys(["topology", "plan", "mfu", "report_json"], ("compile",)),
+    **dict.fromkeys(["export_dir", "overwrite", "export_merged"], ("export",)),
+    **dict.fromkeys(["prompt", "prompts_file"], ("generate", "fill_mask")),
+    **dict.fromkeys(["max_new_tokens", "method", "temperature", "top_k", "top_p", "num_beams", "seed"],
+                    ("generate",)),
+    **dict.fromkeys(["zeroshot", "cue", "threshold", "threshold_split"], ("zeroshot",)),
+}
+
+
 def main(args):
   _, overrides = args
   metrics_log.quiet_libraries()   # before any orbax call: its INFO lines would precede a one-line error
   with config_lib.user_errors():
+    check_flags(_MODE.value)
     config = config_lib.load(_CONFIG.value, overrides)
     if _INIT_FROM.value:
       config.init_from = _INIT_FROM.value
     _run(config, _MODE.value)
+
+
+def check_flags(mode: str):
+  """UsageError (exit 2) for a flag of another mode, and for compile flags out of range: checked before the config
+  is read, so a mistaken command line writes nothing."""
+  for name, modes in _MODE_FLAGS.items():
+    if flags.FLAGS[name].present and mode not in modes:
+      raise app.UsageError(f"--{name} is a flag of --mode={' / --mode='.join(modes)}, not --mode={mode}")
+  if flags.FLAGS["plan_fits"].present and not _PLAN.value:
+    raise app.UsageError("--plan_fits is a flag of --plan (--mode=compile --plan)")
+  if not 0 < _MFU.value <= 1:
+    raise app.UsageError(f"--mfu={_MFU.value} must be in (0, 1]")
+  if _PLAN_FITS.value < 1:
+    raise app.UsageError(f"--plan_fits={_PLAN_FITS.value} must be at least 1")
 
 
 def _run(config, mode):
@@ -77,6 +109,7 @@ def _run(config, mode):
     if not _TOPOLOGY.value:
       raise app.UsageError("--topology is required for --mode=compile (e.g. v4-8, v5e-16, h100-8)")
     from lm_jax.plan import topology
+    topology.check_kernel(config.model.attention, _TOPOLOGY.value)   # a wrong name or kernel: before any compile
     topology.prepare()   # before JAX starts a backend
     from lm_jax.plan import aot, planner
     if _PLAN.value:
@@ -87,9 +120,15 @@ def _run(config, mode):
     return
   if not _WORKDIR.value:
     raise app.UsageError(f"--workdir is required for --mode={mode}")
-  from lm_jax import distributed, objectives, train
-  from lm_jax.rlhf import ppo
+  from lm_jax import distributed, train
   distributed.maybe_initialize()
+  with train.removed_if_unused(_WORKDIR.value):   # a run that stops at start leaves no workdir it created
+    _run_in_workdir(config, mode)
+
+
+def _run_in_workdir(config, mode):
+  from lm_jax import objectives, train
+  from lm_jax.rlhf import ppo
   if mode == "train":
     trainer = ppo.train if objectives.get(config.objective).rollouts else train.train
     trainer(config, _WORKDIR.value)

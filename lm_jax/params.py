@@ -20,7 +20,7 @@ import re
 import jax
 from jax.sharding import PartitionSpec as P
 
-from lm_jax import models
+from lm_jax import defaults, models
 from lm_jax.models import layers, nf4
 from lm_jax.peft import methods, targets
 
@@ -28,23 +28,32 @@ from lm_jax.peft import methods, targets
 ADAPTER_GROUPS = tuple(methods.METHODS)   # the config groups of the adapter methods ('lora', 'ia3')
 
 
+def _active(config):
+  """The adapter method config turns on (its group's SWITCH field is set), or None; a one-line ValueError when
+  it turns on two. Asked of the methods' declared data, so a run without adapters calls nothing in peft/."""
+  on = [name for name, m in methods.METHODS.items() if config.get(name) is not None and config[name][m.SWITCH]]
+  if len(on) > 1:
+    raise ValueError(f"config.{on[0]} and config.{on[1]} are both on: one adapter method at a time")
+  return methods.METHODS[on[0]] if on else None
+
+
 def method(config) -> str | None:
   """The config group of the adapter method config turns on ('lora', 'ia3'), or None."""
-  m = methods.active(config)
+  m = _active(config)
   return None if m is None else m.NAME
 
 
 def without_adapters(config, params: dict) -> dict:
   """The run's params without the method's adapters, the base in its storage (DPO's reference): no copy, no
   dequantising."""
-  m = methods.active(config)
+  m = _active(config)
   return params if m is None else {k: v for k, v in params.items() if k != m.KEY}
 
 
 # ----------------------------------------------------------------------------------------------- what they are
 def init(config, rng: jax.Array) -> dict:
   """Fresh params of the run: models.init(config.model), with a method its adapters and the base in its storage."""
-  m = methods.active(config)
+  m = _active(config)
   if m is None:
     return models.init(config.model, rng)
   targets.kernels(config, config[m.NAME])   # outside the trace: validates config.model, caches the targets
@@ -57,7 +66,7 @@ _ABSTRACT = {}   # (model json, method, method group json) -> abstract params: s
 
 def abstract(config) -> dict:
   """ShapeDtypeStructs of the run's params (shared: do not mutate)."""
-  m = methods.active(config)
+  m = _active(config)
   if m is None:
     return models.abstract_params(config.model)
   key = (config.model.to_json(), m.NAME, config[m.NAME].to_json())
@@ -78,7 +87,7 @@ def _storage_axes(abstract_tree, specs):
 def logical_axes(config) -> dict:
   """Logical PartitionSpecs of the run's params, the adapters' included."""
   specs = models.logical_axes(config.model)
-  m = methods.active(config)
+  m = _active(config)
   if m is None:
     return specs
   return {**_storage_axes(without_adapters(config, abstract(config)), specs), m.KEY: m.logical_axes(config)}
@@ -87,7 +96,7 @@ def logical_axes(config) -> dict:
 def prepare(config, pretrained: dict, fill: bool = False) -> dict:
   """Pre-trained plain params in the run's storage, with the adapters and modules_to_save of the method's PEFT
   directory (config.<method>.init_from); with `fill`, fresh adapters (seed config.seed) when there is none."""
-  m = methods.active(config)
+  m = _active(config)
   if m is None:
     return pretrained
   params = jax.jit(lambda p: m.quantize(config, p))(pretrained)
@@ -104,7 +113,7 @@ def running(config, *, train: bool):
   """Within it (inside a traced function), models.apply runs the run's params as they are: adapters unmerged
   beside their frozen kernels (NF4 ones dequantised in their matmuls), the method's dropout only when `train`. On
   exit, a ValueError if an adapter of the run was never applied."""
-  m = methods.active(config)
+  m = _active(config)
   if m is None:
     yield
     return
@@ -123,7 +132,7 @@ def running(config, *, train: bool):
 
 def base(config, params: dict) -> dict:
   """The base model's plain params: adapters dropped, NF4 kernels dequantised to model.param_dtype."""
-  m = methods.active(config)
+  m = _active(config)
   return params if m is None else m.dequantize(config, without_adapters(config, params),
                                               layers.dtype(config.model.param_dtype))
 
@@ -131,14 +140,14 @@ def base(config, params: dict) -> dict:
 def merged(config, params: dict) -> dict:
   """The model a run trained, as plain params in model.param_dtype: `base` with the adapters merged in (what
   --export_merged writes and a next stage's init_from reads); params as they are without a method."""
-  m = methods.active(config)
+  m = _active(config)
   return params if m is None else m.fold(config, base(config, params), params[m.KEY])
 
 
 def materialize(config, params: dict) -> dict:
   """Plain params for eval and decoding: adapters merged into their kernels, NF4 kernels dequantised to
   model.dtype; params as they are without a method. Jittable."""
-  m = methods.active(config)
+  m = _active(config)
   if m is None:
     return params
   plain = m.dequantize(config, without_adapters(config, params), layers.dtype(config.model.dtype))
@@ -147,7 +156,7 @@ def materialize(config, params: dict) -> dict:
 
 def save_adapter(config, params: dict, directory: str):
   """The adapters and modules_to_save of host params in the PEFT format in `directory`; nothing without a method."""
-  m = methods.active(config)
+  m = _active(config)
   if m is not None:
     m.save(config, params, directory)
 
@@ -168,7 +177,7 @@ def layer_decay(config) -> float:
 
 def _frozen_looped(config, patterns) -> dict:
   """{looped path string: frozen?} of every parameter of config.model."""
-  return {p: any(re.search(rx, p) for rx in patterns) for p in targets.looped_params(config)[0]}
+  return {p: any(re.search(rx, p) for rx in patterns) for p in models.looped_params(config.model)[0]}
 
 
 def _layer_stacks(config) -> set:
@@ -185,9 +194,11 @@ def _layer_stacks(config) -> set:
 def check(config):
   """One-line ValueError naming the config.finetune / config.lora / config.ia3 field that cannot apply to
   config.model."""
-  m = methods.active(config)
-  for method in methods.METHODS.values():
-    method.check(config)
+  m = _active(config)
+  plain = defaults.base_config()
+  for name, method in methods.METHODS.items():   # a group left at its defaults has nothing to check
+    if method is m or (name in config and config[name].to_dict() != plain[name].to_dict()):
+      method.check(config)
   patterns = _patterns(config)
   if m is not None and config.finetune.freeze:
     raise ValueError(f"config.finetune.freeze and config.{m.NAME} exclude each other: with an adapter method only "
@@ -218,7 +229,7 @@ def check(config):
 
 def trainable_mask(config) -> dict | None:
   """Bool tree over the run's params (in its layout): True for those that train; None when all do."""
-  m = methods.active(config)
+  m = _active(config)
   if m is not None:
     tree = abstract(config)
     adapters = jax.tree.map(lambda _: True, tree[m.KEY])
@@ -245,7 +256,7 @@ def check_fresh(config, fresh: set):
   mask = trainable_mask(config)
   frozen = sorted("/".join(p) for p in fresh if mask is not None and not _trains(mask, p))
   if frozen:
-    m, keys = methods.active(config), sorted({p.split("/")[0] for p in frozen})
+    m, keys = _active(config), sorted({p.split("/")[0] for p in frozen})
     field = f"config.{m.NAME}.modules_to_save" if m else "config.finetune.freeze"
     fix = (f"add {', '.join(f'^{k}/' for k in keys)!r} to it" if m else "leave them out of it")
     raise ValueError(f"{', '.join(frozen)} start at a fresh init (config.init_from={config.init_from!r} has no such "
@@ -286,11 +297,11 @@ def merge(a: dict, b: dict) -> dict:
 def count(config) -> tuple[int, int]:
   """(trainable, total) parameters of the run: with a method, its adapters plus modules_to_save, of the model
   plus its adapters."""
-  m = methods.active(config)
+  m = _active(config)
   model = models.abstract_params(config.model)
   if m is None:
     return models.count(split(model, trainable_mask(config))[0]), models.count(model)
-  saved = sum(math.prod(a.shape) for p, a in targets.looped_params(config)[0].items()
+  saved = sum(math.prod(a.shape) for p, a in models.looped_params(config.model)[0].items()
               if targets.trains_fully(config[m.NAME], p))
   adapters = models.count(jax.eval_shape(lambda: m.init(config, jax.random.key(0))))
   return adapters + saved, models.count(model) + adapters

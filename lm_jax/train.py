@@ -6,6 +6,8 @@ sharding, checkpoint.
 import contextlib
 import dataclasses
 import os
+import pathlib
+import shutil
 from typing import Callable
 
 import jax
@@ -13,8 +15,8 @@ from etils import epath
 from flax import linen as nn
 from jax.experimental import multihost_utils
 
-from lm_jax import (checkpoint, checks, init_from, layout as layout_lib, loop, objectives, params as params_lib,
-                    sharding, step, workdir_lock)
+from lm_jax import (checkpoint, checks, config_lib, init_from, layout as layout_lib, loop, objectives,
+                    params as params_lib, sharding, step, workdir_lock)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.evals import lm_eval_adapter, predict
 from lm_jax.hf import export
@@ -167,6 +169,25 @@ def _train(config, workdir: str, devices, held: contextlib.ExitStack) -> dict:
   return {**result, "state": state}
 
 
+@contextlib.contextmanager
+def removed_if_unused(workdir: str):
+  """Removes `workdir` when the block fails and the workdir did not exist before it and holds no result yet (no
+  checkpoint step, no metrics record): a run that stops at start leaves no run.lock, empty checkpoints/ or trained
+  tokenizer behind, so the corrected command starts afresh. Process 0 removes; remote workdirs are left alone."""
+  created = "://" not in workdir and not os.path.lexists(workdir)
+  try:
+    yield
+  except BaseException:
+    if created and jax.process_index() == 0 and os.path.isdir(workdir) and not _has_results(workdir):
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+
+
+def _has_results(workdir: str) -> bool:
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  return _holds_run_steps(pathlib.Path(workdir)) or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+
+
 def restore_params(config, workdir: str):
   """(setup, params placed on the mesh, step) of init_from.eval_source: the latest checkpoint in workdir, or without
   one config.init_from's model."""
@@ -190,11 +211,10 @@ def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = Fals
   """The latest checkpoint's params and the run's tokenizer as a Hugging Face directory (lm_jax.hf.export.save_hf).
   An adapter run (LoRA, IA³) writes its base model there and its adapters in the PEFT format to export_dir/adapter,
   or with `merged` the model with the adapters merged in. Atomic (export.writing): a non-empty export_dir is refused
-  before anything is read, unless `overwrite` replaces it whole."""
+  before anything is read, unless `overwrite` replaces it whole; one that is or holds a run never is
+  (_check_export_target)."""
+  _check_export_target(config, workdir, export_dir, overwrite)
   export.check_target(export_dir, overwrite)
-  if overwrite and os.path.commonpath([os.path.abspath(export_dir), os.path.abspath(workdir)]) == \
-      os.path.abspath(export_dir):
-    raise ValueError(f"--export_dir={export_dir} --overwrite would replace the run's own workdir {workdir}")
   s, params, latest = restore_params(config, workdir)
   if jax.process_count() > 1:  # every host holds only its shards
     params = multihost_utils.process_allgather(params, tiled=True)
@@ -207,3 +227,41 @@ def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = Fals
         params_lib.save_adapter(s.config, params, os.path.join(out, "adapter"))
   loop.say(f"exported step {latest} to {export_dir}")
   return export_dir
+
+
+def _check_export_target(config, workdir: str, export_dir: str, overwrite: bool):
+  """ConfigError for an export_dir that would replace a run: the run's workdir, one holding it, its init_from or
+  adapter (nothing writes into them), a folder inside a run's checkpoints/, or with `overwrite` a folder holding any
+  run (its run.lock or a checkpoint anywhere in it). Real paths: a symlink or '..' spells the same folder."""
+  target = os.path.realpath(export_dir)
+  sources = {"the run's own workdir": workdir, "config.init_from": config.init_from,
+             **{f"config.{g}.init_from": config[g].init_from for g in params_lib.ADAPTER_GROUPS}}
+  for what, path in sources.items():
+    if path and "://" not in path and _within(os.path.realpath(path), target):
+      raise config_lib.ConfigError(f"--export_dir={export_dir} would replace {what} {path}; choose another "
+                                   "--export_dir")
+  for folder in (pathlib.Path(target), *pathlib.Path(target).parents):
+    if folder.name == "checkpoints" and _holds_run(folder.parent, []):
+      raise config_lib.ConfigError(f"--export_dir={export_dir} is inside the checkpoints of the run in "
+                                   f"{folder.parent}; choose another --export_dir")
+  if overwrite:   # without it a non-empty export_dir is refused anyway (export.check_target)
+    for folder, _, files in os.walk(target):
+      if _holds_run(pathlib.Path(folder), files):
+        raise config_lib.ConfigError(f"--export_dir={export_dir} --overwrite would replace the run in {folder}; "
+                                     "choose another --export_dir")
+
+
+def _holds_run(folder: pathlib.Path, files: list[str]) -> bool:
+  """Whether `folder` is a run's workdir: its lock file (files: os.walk's listing, else looked up) or a step."""
+  return workdir_lock.NAME in files or (folder / workdir_lock.NAME).exists() or _holds_run_steps(folder)
+
+
+def _holds_run_steps(folder: pathlib.Path) -> bool:
+  """Whether folder/checkpoints holds a step folder, complete or not (a run that never finished a save is a run)."""
+  steps = folder / "checkpoints"
+  return steps.is_dir() and any(p.name.split(".")[0].isdigit() for p in steps.iterdir())
+
+
+def _within(path: str, folder: str) -> bool:
+  """Whether `path` is `folder` or inside it (both real paths)."""
+  return os.path.commonpath([path, folder]) == folder

@@ -2,10 +2,12 @@
 (LoRA, IA³) by name: no import of lm_jax.peft, no `lora` / `ia3` name or attribute (config.lora included)."""
 import ast
 import pathlib
+import sys
 
 import pytest
 
-from lm_jax import config_lib, params
+from lm_jax import checks, config_lib, params, train
+from conftest import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 METHODS = {"lora", "ia3", "qlora"}
@@ -54,3 +56,27 @@ def test_layer_decay_needs_one_top_level_layer_stack_not_a_family():
     params.check(config_lib.load(recipe, decay))
   with pytest.raises(ValueError, match="has layers under decoder, encoder"):
     params.check(config_lib.load("configs/finetune/t5.py:tiny", decay))
+
+
+def test_a_plain_pretraining_run_calls_nothing_in_peft(shared_data, tmp_path):
+  """Setup and the first step of a run without adapters never enter lm_jax/peft/: which method is on is data the
+  methods declare (SWITCH), the looped parameter paths are the models' (models.looped_params)."""
+  peft_dir = str(REPO / "lm_jax" / "peft")
+  called = set()
+
+  def trace(frame, event, arg):
+    if event == "call" and frame.f_code.co_filename.startswith(peft_dir):
+      called.add(f"{pathlib.Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
+  config = load_config("clm", shared_data, total_steps=1, eval_every=0)
+  sys.setprofile(trace)
+  try:
+    result = train.train(config, str(tmp_path))
+  finally:
+    sys.setprofile(None)
+  assert result["step"] == 1
+  assert called == set()
+
+
+def test_a_method_left_off_with_its_fields_set_is_still_checked(shared_data):
+  with pytest.raises(config_lib.ConfigError, match="config.lora.qlora needs LoRA adapters"):
+    checks.validate(load_config("clm", shared_data, **{"lora.qlora": True}), 1)

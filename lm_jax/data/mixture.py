@@ -50,6 +50,11 @@ def sources(config) -> list[Source]:
   twice = sorted({n for n in names if names.count(n) > 1})
   if twice:
     raise ValueError(f"config.data.mixture: source name {twice[0]!r} is used twice; names must differ")
+  total = sum(s.weight for s in out)
+  if out and not (math.isfinite(total) and all(s.weight / total > 0 for s in out)):
+    # each weight passed, the whole does not: a sum that overflows, or a source whose share rounds to 0
+    raise ValueError(f"config.data.mixture weights {[s.weight for s in out]} sum to {total}: scale them down so "
+                     "that the sum is finite and every source's share is above 0")
   return out
 
 

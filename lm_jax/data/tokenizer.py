@@ -111,9 +111,14 @@ def check_same(tokenizer: Tokenizer, other_path: str, family: str, what: str, wh
                      "must use one tokenizer")
 
 
-def _sentencepiece(proto: bytes, family: str, path: str = "") -> Tokenizer:
+def _sentencepiece(proto: bytes, family: str, path: str = "", fix: str = "pass an intact one") -> Tokenizer:
+  """A SentencePiece model; a damaged file (truncated, overwritten) is a one-line ValueError naming it and `fix`."""
   import sentencepiece as spm
-  sp = spm.SentencePieceProcessor(model_proto=proto)
+  try:
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+  except RuntimeError:   # a 40-line traceback ending in sentencepiece's 'ParseFromArray' check
+    raise ValueError(f"tokenizer {path or '(bytes)'} is damaged ({len(proto)} bytes that are not a SentencePiece "
+                     f"model): {fix}") from None
   pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
   index = {p: i for i, p in enumerate(pieces)}
   specials = {role: next((index[n] for n in names if n in index), None) for role, names in _NAMES.items()}
@@ -263,7 +268,8 @@ def load_or_train(config, workdir: str) -> Tokenizer:
       tmp = path.with_suffix(f".tmp{os.getpid()}")
       tmp.write_bytes(proto)
       tmp.replace(path)
-    tok = _sentencepiece(path.read_bytes(), family, str(path))
+    tok = _sentencepiece(path.read_bytes(), family, str(path), fix="remove it to train it again from the data, or "
+                         "name a tokenizer with --config.data.tokenizer")
   sentinels = num_sentinels(family)
   need = tok.vocab_size + sentinels
   if vocab < need:

@@ -18,6 +18,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -40,6 +41,9 @@ def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer 
   fam = models.family(model_cfg)
   mod = hf.family_module(fam.name)
   config = mod.hf_config(model_cfg)
+  if tokenizer is not None and fam.layout == "decoder" and tokenizer.eos_id is not None:
+    # The tokenizer's own ids: without them transformers fills in GPT-2's 50256, outside a trained vocabulary.
+    config.update(bos_token_id=tokenizer.eos_id, eos_token_id=tokenizer.eos_id)   # GPT-2: bos = eos = end of text
   tensors = mod.to_hf(model_cfg, params)
   if tokenizer is not None:   # first: a tokenizer that does not fit stops the export before any file is written
     need = tokenizer.vocab_size + tokenizer_lib.num_sentinels(fam.name)
@@ -51,7 +55,14 @@ def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer 
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
   weights = os.path.join(out_dir, "model.safetensors")
-  save_file(tensors, weights, metadata={"format": "pt"})
+  try:
+    save_file(tensors, weights, metadata={"format": "pt"})
+  except SafetensorError as e:   # a full disk comes back as Rust's IoError text, 20 lines of traceback unwrapped
+    code = re.search(r"code: (\d+)|os error (\d+)", str(e))
+    if code is None:
+      raise
+    errno_ = int(code.group(1) or code.group(2))
+    raise OSError(errno_, os.strerror(errno_), weights) from None
   os.chmod(weights, stat.S_IMODE(os.stat(os.path.join(out_dir, "config.json")).st_mode))  # safetensors writes 0600
   if fam.layout != "encoder":
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
@@ -86,11 +97,13 @@ def writing(out_dir: str, overwrite: bool = False):
       os.rename(out_dir, old)
     os.rename(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
-  except BaseException:
+  except BaseException as e:
     if os.path.lexists(old) and not os.path.lexists(out_dir):
       os.rename(old, out_dir)
     for path in (tmp, old):
       shutil.rmtree(path, ignore_errors=True)
+    if isinstance(e, OSError) and e.strerror:   # a full disk: name the target, not the temporary file
+      raise OSError(e.errno, f"exporting to {out_dir} failed ({e.strerror}); nothing was written") from e
     raise
   finally:
     if main_thread:

@@ -5,10 +5,14 @@ A model family is the unit of extension: one module here holds its architecture 
 registered below with one line; its Hugging Face conversion is lm_jax/hf/<family>.py. The rest of the code asks
 `family(model_cfg)` and never compares family names.
 """
+import functools
+import json
 import math
 
 import flax.linen as nn
 import jax
+import ml_collections
+from jax.sharding import PartitionSpec as P
 
 from lm_jax.models import bert, gpt, gpt2, layers, t5
 from lm_jax.models.registry import LAYOUTS, Family
@@ -98,6 +102,21 @@ def logical_axes(model_cfg) -> dict:
   """PartitionSpecs of logical axis names, same tree structure as the params."""
   validate(model_cfg)
   return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(model_cfg, jax.random.PRNGKey(0))))
+
+
+@functools.lru_cache(maxsize=16)
+def _looped(model_json: str) -> tuple[dict, dict]:
+  cfg = layers.replace(ml_collections.ConfigDict(json.loads(model_json)), scan_layers=False)
+  flat = lambda tree: {"/".join(k.key for k in p): v for p, v in jax.tree_util.tree_leaves_with_path(
+      tree, is_leaf=lambda x: isinstance(x, P))}
+  return flat(abstract_params(cfg)), flat(logical_axes(cfg))
+
+
+def looped_params(model_cfg) -> tuple[dict, dict]:
+  """({looped path: ShapeDtypeStruct}, {looped path: logical PartitionSpec}) of every param, layers named as when
+  looped ('layers_3/mlp/wi/kernel') whether or not the model scans them: the paths freeze patterns and adapter
+  targets are written against."""
+  return _looped(model_cfg.to_json())
 
 
 def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:

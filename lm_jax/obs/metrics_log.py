@@ -5,7 +5,9 @@ On resume the file is cut back to the restored step, so an interrupted-and-resum
 records of an uninterrupted one (wall-clock fields such as tokens_per_sec aside). Workdirs may be remote
 (gs://...; etils.epath, TensorBoard there needs google-cloud-storage): remote files cannot be appended to,
 so they are rewritten whole. A workdir that cannot be written (read-only, full) costs the file, with one
-warning, never the run's results: the console line is printed either way.
+warning, never the run's results: the console line is printed either way; TensorBoard or W&B failing costs only
+itself, with one warning. A damaged line in the middle of metrics.jsonl is skipped by name, never a reason to
+drop the records after it.
 """
 import contextlib
 import datetime
@@ -60,14 +62,23 @@ def quiet_libraries():
 
 
 def read(path) -> list[dict]:
-  """Records of a metrics.jsonl; a torn last line (killed mid-write) is dropped."""
-  path, records = epath.Path(path), []
+  """Records of a metrics.jsonl. A torn last line (killed mid-write) is dropped; a damaged line before others is
+  skipped with one warning naming it, and the records after it are kept."""
+  path, records, bad = epath.Path(path), [], []
   if path.exists():
-    for line in path.read_text().splitlines():
+    lines = path.read_bytes().decode("utf-8", "replace").splitlines()
+    for n, line in enumerate(lines, 1):
       try:
-        records.append(json.loads(line))
+        record = json.loads(line)
       except json.JSONDecodeError:
-        break
+        record = None
+      if isinstance(record, dict):
+        records.append(record)
+      elif n < len(lines) and line.strip():
+        bad.append(n)
+  if bad:
+    warn(f"{path}: line{'s' * (len(bad) > 1)} {', '.join(map(str, bad))} not a JSON record; skipped, the "
+         "records after kept")
   return records
 
 
@@ -88,10 +99,23 @@ class MetricsLog:
       self.records = [r for r in read(self.path) if r.get("step", 0) <= resume_step]
       self._rewrite()
     if tensorboard:
-      from tensorboardX import SummaryWriter
-      self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
+      with self._observer("tb", "TensorBoard"):
+        from tensorboardX import SummaryWriter
+        self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
     if config is not None and config.wandb.project:
-      self.wandb = wandb_log.start(config, workdir)
+      with self._observer("wandb", "W&B"):
+        self.wandb = wandb_log.start(config, workdir)
+
+  @contextlib.contextmanager
+  def _observer(self, attr: str, name: str):
+    """TensorBoard or W&B failing (an unwritable folder, the network): one warning, then the run goes on without it:
+    observability never costs training."""
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001 - tensorboardX and wandb raise their own types
+      warn(f"{name} stopped ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+           "training goes on without it")
+      setattr(self, attr, None)
 
   def _rewrite(self):
     text = "".join(json.dumps(r) + "\n" for r in self.records)
@@ -125,21 +149,25 @@ class MetricsLog:
           with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
     if self.tb:
-      for k, v in record.items():
-        if k != "step":
-          self.tb.add_scalar(k, v, record["step"])
-      self.tb.flush()
+      with self._observer("tb", "TensorBoard"):
+        for k, v in record.items():
+          if k != "step":
+            self.tb.add_scalar(k, v, record["step"])
+        self.tb.flush()
     if self.wandb:
-      self.wandb.log(record)
+      with self._observer("wandb", "W&B"):
+        self.wandb.log(record)
 
   def close(self, goodput_summary: dict | None = None):
     """Closes TensorBoard's writer and the W&B run, whose summary keeps the goodput numbers as goodput/..."""
     if self.tb:
-      self.tb.close()
+      with self._observer("tb", "TensorBoard"):
+        self.tb.close()
     if self.wandb:
-      summary = goodput_summary or {}
-      self.wandb.summary.update({k if k == "goodput" else f"goodput/{k}": v for k, v in summary.items()})
-      self.wandb.finish()
+      with self._observer("wandb", "W&B"):
+        summary = goodput_summary or {}
+        self.wandb.summary.update({k if k == "goodput" else f"goodput/{k}": v for k, v in summary.items()})
+        self.wandb.finish()
 
 
 def console(record: dict, total_steps: int, seconds_per_step: float | None = None) -> str:

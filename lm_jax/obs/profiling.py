@@ -10,6 +10,7 @@ sessions named ..._process_N.
 Dependencies: none in lm_jax; loop uses it.
 """
 import contextlib
+import sys
 
 import jax
 from etils import epath
@@ -42,8 +43,9 @@ class Profiler:
   def step(self, i: int):
     """Runs step i inside its trace annotation, starting the trace at the first step of the range."""
     if self.on and not self.tracing and self.first <= i <= self.last:
-      jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True, profiler_options=self.options)
-      self.tracing = True
+      with self._unless_failing("start"):
+        jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True, profiler_options=self.options)
+        self.tracing = True
     with jax.profiler.StepTraceAnnotation("train", step_num=i):
       yield
 
@@ -53,5 +55,18 @@ class Profiler:
 
   def stop(self):
     """Writes the trace."""
-    jax.profiler.stop_trace()
     self.tracing = False
+    with self._unless_failing("write"):
+      jax.profiler.stop_trace()
+
+  @contextlib.contextmanager
+  def _unless_failing(self, what: str):
+    """A profile that cannot start or be written (an unwritable profile/ folder, a full disk): one warning and no
+    more profiling; the run goes on."""
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001 - the profiler raises its own runtime errors
+      self.on = False
+      text = str(e).strip().splitlines()
+      print(f"warning: cannot {what} the profile in {self.dir} ({type(e).__name__}: {text[0] if text else ''}); "
+            "training goes on without it", file=sys.stderr, flush=True)

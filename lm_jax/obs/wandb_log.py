@@ -11,20 +11,47 @@ requirements-test.txt installs it for the tests.
 """
 import importlib
 import importlib.util
+import netrc
+import os
+import urllib.parse
 
 from etils import epath
 
 ID_FILE = "wandb_run_id"
 MODES = ("", "online", "offline", "disabled")
+ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")   # what wandb.init accepts as WANDB_MODE
 
 
 def check(config):
-  """One-line errors for config.wandb (checks.validate calls it before anything is built)."""
+  """One-line errors for config.wandb and the W&B environment it meets (checks.validate calls it before anything
+  is built, the workdir included): an unknown mode, wandb missing, WANDB_MODE unknown, online without an API key."""
   w = config.wandb
   if w.mode not in MODES:
     raise ValueError(f"config.wandb.mode={w.mode!r} unknown; use online, offline or disabled ('' = WANDB_MODE)")
-  if w.project and importlib.util.find_spec("wandb") is None:
+  if not w.project:
+    return
+  if importlib.util.find_spec("wandb") is None:
     raise ValueError(f"config.wandb.project={w.project!r} needs wandb, which is not installed: pip install wandb")
+  mode = w.mode or os.environ.get("WANDB_MODE", "") or "online"
+  if mode not in ENV_MODES:
+    raise ValueError(f"WANDB_MODE={mode!r} in the environment is not a W&B mode; use online, offline or disabled, "
+                     "or set config.wandb.mode")
+  if mode in ("online", "run", "shared") and not _has_key():
+    raise ValueError(f"config.wandb.project={w.project!r} logs online but no W&B API key is set: set WANDB_API_KEY, "
+                     "run `wandb login`, or pass --config.wandb.mode=offline")
+
+
+def _has_key() -> bool:
+  """Whether wandb will find an API key without asking: WANDB_API_KEY, or a netrc entry for its host (where
+  `wandb login` writes it)."""
+  if os.environ.get("WANDB_API_KEY"):
+    return True
+  host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+  path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+  try:
+    return netrc.netrc(path).authenticators(host) is not None
+  except (OSError, netrc.NetrcParseError):
+    return False
 
 
 def start(config, workdir: str):

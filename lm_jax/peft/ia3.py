@@ -20,11 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from lm_jax import models
 from lm_jax.models import layers
 from lm_jax.peft import peft_format, targets
 
 NAME = KEY = "ia3"       # the config group, and the vectors' top-level key in the params tree
 TITLE = "IA³"
+SWITCH = "targets"   # on when config.ia3.targets names kernels
 
 
 def enabled(config) -> bool:
@@ -59,7 +61,7 @@ def check(config):
 # ----------------------------------------------------------------------------------------------- layout, init
 def _vectors(config) -> dict:
   """{run-layout kernel path: (name 'l_in' | 'l_out', shape, logical spec)}."""
-  shapes, specs = targets.looped_params(config)
+  shapes, specs = models.looped_params(config.model)
   out = {}
   for run_path, group in targets.groups(config, config.ia3).items():
     shape, spec = shapes[group[0]].shape, tuple(specs[group[0]])
@@ -195,7 +197,7 @@ def load(config, directory: str) -> dict:
   peft_format.read_config(directory, "IA3")
   file = f"{directory}/{peft_format.WEIGHTS_FILE}"
   tensors, names = peft_format.read_tensors(directory, config.model), peft_format.table(config.model)
-  shapes, specs = targets.looped_params(config)
+  shapes, specs = models.looped_params(config.model)
   vectors, used, fused_parts = {}, set(), {}
   for looped in targets.kernels(config, config.ia3):
     kernel, n = shapes[looped].shape, targets.n_in(specs[looped])

@@ -22,11 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from lm_jax import models
 from lm_jax.models import layers, nf4
 from lm_jax.peft import peft_format, targets
 
 NAME = KEY = "lora"      # the config group, and the adapters' top-level key in the params tree
 TITLE = "LoRA"
+SWITCH = "rank"   # on when config.lora.rank is set (> 0; a negative rank is check's error)
 
 
 def enabled(config) -> bool:
@@ -65,7 +67,7 @@ def check(config):
 # ----------------------------------------------------------------------------------------------- layout, init
 def _shapes(config) -> dict:
   """{run-layout kernel path: ((a shape, a spec), (b shape, b spec))}."""
-  shapes, specs = targets.looped_params(config)
+  shapes, specs = models.looped_params(config.model)
   r, out = config.lora.rank, {}
   for run_path, group in targets.groups(config, config.lora).items():
     shape, spec = shapes[group[0]].shape, tuple(specs[group[0]])
@@ -114,7 +116,7 @@ def logical_axes(config) -> dict:
 def _quantize_patterns(config) -> tuple[list[str], list[str]]:
   """QLoRA: the frozen Dense kernels of the run's layout, and those of them in a scanned stack, as regexes of
   nf4.quantize_tree."""
-  frozen = sorted({targets.run_path(config, p) for p in targets.looped_params(config)[0]
+  frozen = sorted({targets.run_path(config, p) for p in models.looped_params(config.model)[0]
                    if p.endswith("/kernel") and not targets.trains_fully(config.lora, p)})
   regex = lambda path: "^" + re.escape("/".join(path)) + "$"
   return [regex(p) for p in frozen], [regex(p) for p in frozen if config.model.scan_layers and "layers" in p]
@@ -263,7 +265,7 @@ def load(config, path: str) -> dict:
     if looped not in wanted:
       raise ValueError(f"{file}: adapter of {name} ({looped}) is not in config.lora.targets="
                        f"{tuple(config.lora.targets)}")
-  shapes, specs = targets.looped_params(config)
+  shapes, specs = models.looped_params(config.model)
   out = {}
   for looped, (a, b) in adapters.items():
     kernel, n = shapes[looped].shape, targets.n_in(specs[looped])

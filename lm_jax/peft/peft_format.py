@@ -12,7 +12,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from lm_jax import hf
+from lm_jax import hf, models
 from lm_jax.hf import convert
 from lm_jax.peft import targets
 
@@ -111,7 +111,7 @@ def read_tensors(path: str, model_cfg) -> dict:
 
 def saved_params(config, name: str, tensors: dict) -> dict:
   """Looped params tree of config.<name>.modules_to_save from `tensors` (HF names), as PEFT saves them."""
-  shapes, _ = targets.looped_params(config)
+  shapes, _ = models.looped_params(config.model)
   params = {}
   for looped, (hf_name, kind) in table(config.model).items():
     if hf_name in tensors and targets.trains_fully(config[name], looped):

@@ -2,29 +2,10 @@
 the PEFT format share. A method's config group (config.lora, config.ia3) has `targets` (regexes over looped
 kernel paths, e.g. 'layers_0/attention/query/kernel') and `modules_to_save` (regexes over param paths that train
 fully beside the adapters); a kernel that trains fully is never adapted."""
-import functools
-import json
 import re
-
-import jax
-import ml_collections
-from jax.sharding import PartitionSpec as P
 
 from lm_jax import models
 from lm_jax.models import layers
-
-@functools.lru_cache(maxsize=16)
-def _looped(model_json: str) -> tuple[dict, dict]:
-  """({looped path string: ShapeDtypeStruct}, {same: logical PartitionSpec}) of every param."""
-  cfg = layers.replace(ml_collections.ConfigDict(json.loads(model_json)), scan_layers=False)
-  flat = lambda tree: {"/".join(k.key for k in p): v for p, v in jax.tree_util.tree_leaves_with_path(
-      tree, is_leaf=lambda x: isinstance(x, P))}
-  return flat(models.abstract_params(cfg)), flat(models.logical_axes(cfg))
-
-
-def looped_params(config) -> tuple[dict, dict]:
-  """({looped path: ShapeDtypeStruct}, {looped path: logical spec}) of config.model's params."""
-  return _looped(config.model.to_json())
 
 
 def n_in(spec) -> int:
@@ -38,7 +19,7 @@ def trains_fully(group, path: str) -> bool:
 
 def kernels(config, group) -> list[str]:
   """Looped paths of the Dense kernels group.targets matches, in model order."""
-  shapes, _ = looped_params(config)
+  shapes, _ = models.looped_params(config.model)
   return [p for p in shapes if p.endswith("/kernel") and not trains_fully(group, p)
           and any(re.search(rx, p) for rx in group.targets)]
 
@@ -90,7 +71,7 @@ def check(config, name: str):
         re.compile(rx)
       except re.error as e:
         raise ValueError(f"config.{name}.{field}: {rx!r} is not a regular expression ({e})") from None
-  shapes, _ = looped_params(config)
+  shapes, _ = models.looped_params(config.model)
   found = [p for p in shapes if p.endswith("/kernel")]
   for rx in group.targets:
     if not any(re.search(rx, p) for p in found):
@@ -113,7 +94,7 @@ def saved_mask(config, name: str, tree: dict) -> dict:
   def trains(path):
     if "layers" not in path:
       return trains_fully(group, "/".join(path))
-    looped = [p for p in looped_params(config)[0] if run_path(config, p)[:len(path)] == path]
+    looped = [p for p in models.looped_params(config.model)[0] if run_path(config, p)[:len(path)] == path]
     found = {trains_fully(group, p) for p in looped}
     if len(found) > 1:
       raise ValueError(f"config.{name}.modules_to_save={tuple(group.modules_to_save)!r} trains some layers of a "

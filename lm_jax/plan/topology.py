@@ -19,6 +19,8 @@ import re
 import jax
 from jax.experimental import topologies
 
+from lm_jax import config_lib
+
 SPECS_DIR = os.path.join(os.path.dirname(__file__), "gpu_specs")
 GPUS = {"h100": "h100_sxm.txtpb", "a100": "a100_sxm_80.txtpb", "h200": "h200_sxm.txtpb"}
 TPUS = {"v4": ("v4", "megacore", 3), "v5p": ("v5", "megacore", 3), "v5e": ("v5e", "default", 2),
@@ -70,13 +72,36 @@ def slice_shape(chips: int, dims: int) -> tuple:
 
 
 def parse(name: str):
-  """'2xv5e-256' -> ('v5e', 256, 2); 'h100-8' -> ('h100', 8, 1); one-line ValueError otherwise."""
+  """'2xv5e-256' -> ('v5e', 256, 2); 'h100-8' -> ('h100', 8, 1); one-line ConfigError otherwise (exit 2)."""
   m = re.fullmatch(r"(?:(\d+)x)?([a-z0-9]+)-(\d+)", name.strip().lower())
   if not m or m[2] not in (*TPUS, *GPUS):
-    raise ValueError(f"--topology={name!r} unknown: use {USAGE}")
+    raise config_lib.ConfigError(f"--topology={name!r} unknown: use {USAGE}")
   if m[2] in GPUS and m[3] != "8":
-    raise ValueError(f"--topology={name!r}: GPU topologies are nodes of 8 ({m[2]}-8, or e.g. 2x{m[2]}-8)")
-  return m[2], int(m[3]), int(m[1] or 1)
+    raise config_lib.ConfigError(f"--topology={name!r}: GPU topologies are nodes of 8 ({m[2]}-8, or e.g. "
+                                 f"2x{m[2]}-8)")
+  kind, n, slices = m[2], int(m[3]), int(m[1] or 1)
+  if slices < 1:
+    raise config_lib.ConfigError(f"--topology={name!r}: {slices} slices; use at least 1 (or leave out the Kx)")
+  if kind in TPUS:
+    try:
+      slice_shape(n // 2 if TPUS[kind][2] == 3 else n, TPUS[kind][2])
+    except ValueError as e:
+      raise config_lib.ConfigError(f"--topology={name!r}: {e}") from None
+  return kind, n, slices
+
+
+# The attention kernels (config.model.attention) each platform runs; Pallas's splash kernel is TPU code (on another
+# platform it compiles only as the interpreter), cuDNN's is NVIDIA's.
+KERNELS = {"tpu": ("xla", "splash"), "cuda": ("xla", "cudnn")}
+
+
+def check_kernel(attention: str, name: str):
+  """ConfigError (exit 2) when model.attention cannot run on topology `name`'s platform."""
+  platform = "cuda" if parse(name)[0] in GPUS else "tpu"
+  if attention in {k for ks in KERNELS.values() for k in ks} - set(KERNELS[platform]):
+    raise config_lib.ConfigError(f"model.attention={attention!r} cannot run on --topology={name} ({platform.upper()}"
+                                 f" is {' or '.join(map(repr, KERNELS[platform]))}): set --config.model.attention="
+                                 f"{KERNELS[platform][1]} or xla")
 
 
 def get(name: str) -> Topology:
