@@ -499,7 +499,7 @@ class PostLNBlock(nn.Module):
 
 class PreLNBlock(nn.Module):
   """GPT-2 layer: x = x + Drop(Attn(LN(x))); x = x + Drop(MLP(LN(x))). out_init: the residual projections' init
-  (GPT-2 scales it by 1/sqrt(2 * layers)). cfg: the model config."""
+  (GPT-2 scales it by 1/sqrt(2 * layers)). cfg: the model config; cfg.use_bias=False drops every bias (nanoGPT)."""
   cfg: Any
   deterministic: bool = True
   kernel_init: Init = nn.initializers.normal(0.02)
@@ -509,15 +509,16 @@ class PreLNBlock(nn.Module):
   def __call__(self, x, cache, mask, cache_index=None):
     cfg = self.cfg
     kw = dict(dtype=dtype(cfg.dtype), param_dtype=dtype(cfg.param_dtype))
+    bias = cfg.get("use_bias", True)
     drop = Dropout(cfg.dropout_rate, deterministic=self.deterministic)
-    h = LayerNorm(cfg.layer_norm_eps, name="attention_ln", **kw)(x)
-    a, cache = Attention(cfg.num_heads, head_dim(cfg), dropout_rate=cfg.attention_dropout_rate,
+    h = LayerNorm(cfg.layer_norm_eps, use_bias=bias, name="attention_ln", **kw)(x)
+    a, cache = Attention(cfg.num_heads, head_dim(cfg), use_bias=bias, dropout_rate=cfg.attention_dropout_rate,
                          deterministic=self.deterministic, kernel_init=self.kernel_init, out_init=self.out_init,
                          name="attention", **kw)(h, mask=mask, cache=cache, cache_index=cache_index)
     x = x + drop(a)
-    h = LayerNorm(cfg.layer_norm_eps, name="mlp_ln", **kw)(x)
-    x = x + drop(MLP(cfg.d_ff, cfg.activation, kernel_init=self.kernel_init, out_init=self.out_init, name="mlp",
-                     **kw)(h))
+    h = LayerNorm(cfg.layer_norm_eps, use_bias=bias, name="mlp_ln", **kw)(x)
+    x = x + drop(MLP(cfg.d_ff, cfg.activation, use_bias=bias, kernel_init=self.kernel_init, out_init=self.out_init,
+                     name="mlp", **kw)(h))
     return constrain(x, ("batch", "length", "embed")), cache
 
 
