@@ -1,9 +1,9 @@
 """configs/nanogpt.py against nanoGPT (karpathy/nanoGPT): its character vocabulary and 90% / 10% split of Tiny
 Shakespeare, its min_lr cosine schedule and matrix-only weight decay computed by hand, its parameter count, a short
 run whose loss falls and whose eval scores every validation character once; bench/nanogpt.py's --quick form."""
+import importlib.util
 import math
-import subprocess
-import sys
+import os
 
 import jax
 import numpy as np
@@ -93,3 +93,16 @@ def test_short_run_loss_falls_and_eval_scores_every_character(shared_data, tmp_p
   assert result["eval"]["eval_tokens"] == 111_539                # every validation character after the first
   assert result["eval"]["eval_loss"] < math.log(65) - 1.0
   assert result["train"]["loss"] < math.log(65) - 1.0
+
+
+def test_bench_quick(shared_data, capsys):
+  """bench/nanogpt.py --quick: ours always, nanoGPT's train.py too where NANOGPT_DIR names a checkout."""
+  nanogpt = os.environ.get("NANOGPT_DIR", "")
+  spec = importlib.util.spec_from_file_location("bench_nanogpt", REPO / "bench" / "nanogpt.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  results = bench.main(["--quick", f"--data={shared_data / 'tiny_shakespeare' / 'input.txt'}", f"--nanogpt={nanogpt}"])
+  assert set(results) == ({"lm_jax", "nanoGPT"} if nanogpt else {"lm_jax"})
+  for r in results.values():
+    assert r["wall_s"] > 0 and r["ms_step"] > 0 and 2.5 < r["val_loss"] < 4.5     # 10 steps from ln(65) = 4.17
+  assert "lm_jax" in capsys.readouterr().out
