@@ -133,6 +133,17 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return nn.with_logical_constraint(x, tuple(axes))
 
 
+def _one_cpu() -> bool:
+  """True when compiling for one CPU device. There, Dense multiplies 2-D matrices: given x (B, T, D), XLA:CPU
+  computes the kernel gradient's contraction over (B, T) by first copying the output gradient transposed, and
+  where that gradient is an elementwise fusion (GELU's backward) it recomputes the fusion in the transposed layout,
+  the largest cost of a small model's step (bench/README.md#nanogpt). With (B*T, D) rows it contracts in place."""
+  if (_PLATFORM.get() or jax.default_backend()) != "cpu":
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or mesh.size == 1
+
+
 class Dense(nn.Module):
   """x @ kernel (+ bias) contracting x's trailing dims with the kernel's leading ones.
 
@@ -170,7 +181,12 @@ class Dense(nn.Module):
     else:
       kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, tuple(self.axes)),
                           shape, self.param_dtype)
-      y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+      if _one_cpu():   # one (rows, inputs) x (inputs, outputs) product, see _one_cpu
+        lead = x.shape[:x.ndim - n_in]
+        y = jnp.dot(x.reshape(-1, math.prod(shape[:n_in])).astype(self.dtype),
+                    kernel.reshape(math.prod(shape[:n_in]), -1).astype(self.dtype)).reshape(lead + features)
+      else:
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, tuple(self.axes[n_in:])),
                         features, self.param_dtype)
