@@ -16,7 +16,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.eval_split = "validation"
   c.data.text_field = "text"
   c.data.tokenizer = ""           # path to a tokenizer; "" = train SentencePiece on the data, cache in workdir
-  c.data.tokenizer_type = "unigram"
+  c.data.tokenizer_type = "unigram"  # unigram or bpe (SentencePiece trained here), or char: one id per character
   c.data.seq_len = 128
   c.data.target_len = 0           # T5 targets; 0 = derived from seq_len by T5's random_spans_helper rule
   c.data.mlm_probability = 0.15
@@ -27,6 +27,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.mean_noise_span_length = 3.0
   c.data.shuffle = True
   c.data.shards = 1               # training stream shards; hosts split them (see lm_jax/data/pipeline.py)
+  c.data.split_fraction = 0.0     # > 0: train on this first fraction of data.files' text, eval on the rest
+                                  # (nanoGPT's split of one file); 0 = the files' own train_split / eval_split
+  c.data.windows = False          # train on random seq_len windows of the split's text (nanoGPT's get_batch) and
+                                  # eval on all of it in consecutive windows (lm_jax/data/windows.py)
   c.data.eval_batches = 8         # batches per eval; 0 = every complete batch of the eval split
   c.data.mixture = ()             # sources sampled by weight into one stream (replaces tfds_name):
                                   # (dict(name=, files= or tfds_name=, text_field=, train_split=, eval_split=,
@@ -41,6 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.weight_decay = 0.0
   c.optimizer.warmup_steps = 0
   c.optimizer.schedule = "linear"
+  c.optimizer.min_lr_ratio = 0.0  # linear / cosine decay end at lr * min_lr_ratio (nanoGPT's min_lr / lr)
   c.optimizer.clip_norm = 1.0
 
   c.z_loss = 0.0                  # z-loss weight on log(Z)^2 (PaLM / T5X); 0 = off
@@ -144,6 +149,7 @@ def model_defaults(family: str) -> ml_collections.ConfigDict:
   m.activation = "gelu_tanh"
   m.gated_ffn = False
   m.tie_embeddings = True
+  m.use_bias = True               # biases in the Dense and LayerNorm layers (GPT-2 family; nanoGPT's bias=False)
   m.layer_norm_eps = 1e-12
   m.dropout_rate = 0.1
   m.attention_dropout_rate = 0.1

@@ -31,11 +31,15 @@ SCHEDULES = ("linear", "cosine", "rsqrt", "constant")
 def schedule(opt, total_steps: int):
   """Learning rate as a function of the update count (0 for the first update)."""
   lr, w, t = opt.lr, opt.warmup_steps, total_steps
+  if not 0 <= opt.min_lr_ratio <= 1:
+    raise ValueError(f"config.optimizer.min_lr_ratio={opt.min_lr_ratio} must be in [0, 1]")
+  floor = lr * opt.min_lr_ratio     # where linear and cosine decay end (nanoGPT's min_lr)
   if opt.schedule == "linear":  # BERT: lr * step/w during warmup, else lr * (1 - step/total) (power-1 poly decay)
-    decay = optax.linear_schedule(lr * (1 - w / t), 0.0, t - w) if t > w else optax.constant_schedule(0.0)
+    decay = optax.linear_schedule(floor + (lr - floor) * (1 - w / t), floor, t - w) if t > w else \
+        optax.constant_schedule(floor)
     return optax.join_schedules([optax.linear_schedule(0.0, lr, w), decay], [w]) if w else decay
-  if opt.schedule == "cosine":  # GPT-1: linear warmup from 0, then cosine to 0 at total_steps
-    decay = optax.cosine_decay_schedule(lr, max(t - w, 1))
+  if opt.schedule == "cosine":  # GPT-1: linear warmup from 0, then cosine to 0 at total_steps; nanoGPT: to min_lr
+    decay = optax.cosine_decay_schedule(lr, max(t - w, 1), alpha=floor / lr)
     return optax.join_schedules([optax.linear_schedule(0.0, lr, w), decay], [w]) if w else decay
   if opt.schedule == "rsqrt":  # T5: lr * sqrt(w / max(step, w)); lr 0.01, w 10k = 1/sqrt(max(step, 10k))
     w = max(w, 1)

@@ -30,6 +30,7 @@ from lm_jax.data import corpus as corpus_lib
 from lm_jax.data import mixture as mixture_lib
 from lm_jax.data import rows as rows_lib
 from lm_jax.data import sources
+from lm_jax.data import windows as windows_lib
 
 WINDOW_ROWS = 1024            # rows shuffled together; a restore rebuilds at most this many
 _WHOLE_SPLIT = 1 << 40       # rows to ask for when evaluating a whole split
@@ -328,6 +329,8 @@ def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0,
     raise ValueError(f"config.data.shards={shards} must be >= 1 and divide config.batch_size={config.batch_size}")
   rows_per_shard = config.batch_size // shards
   local = _local_rows(config, process_index, process_count)
+  if d.windows:     # nanoGPT's random windows (data/windows.py)
+    return windows_lib.train_iterator(config, tokenizer, local)
   first, last = local.start // rows_per_shard, (local.stop - 1) // rows_per_shard
   layout = objective.rows(config, tokenizer)
   mixture = mixture_lib.sources(config)
@@ -357,6 +360,8 @@ def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,
   A layout with `padding` fills the last batch with rows that count in no metric, so every row is evaluated.
   A mixture evaluates that many batches of each source's eval_split, one source after the other."""
   local = _local_rows(config, process_index, process_count)
+  if config.data.windows:   # the whole eval text in consecutive windows (data/windows.py)
+    return EvalBatches(*windows_lib.eval_batches(config, tokenizer, local), stats={})
   layout, transform = objective.rows(config, tokenizer), objective.transform(config, tokenizer)
   mixture = mixture_lib.sources(config)
   if not mixture:

@@ -1,4 +1,4 @@
-"""Tokenizers: SentencePiece (trained here or loaded) and Hugging Face (`tokenizers`) behind one interface.
+"""Tokenizers: SentencePiece (trained here or loaded), Hugging Face (`tokenizers`) and characters behind one interface.
 
 Special ids per family (what the objectives need; each family's `Tokens` record, lm_jax/models/registry.py):
   bert:      [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4
@@ -7,6 +7,8 @@ Special ids per family (what the objectives need; each family's `Tokens` record,
         sentinel_id(k) = sp_size + 100 - 1 - k (the seqio / HF T5Tokenizer rule, so <extra_id_0> of the
         released T5 vocab is 32099). A trained T5 tokenizer gets sp_size = model vocab - 100, which puts the
         sentinels at the very top of the model vocab (id = vocab_size - 1 - k).
+  char:      no specials: id i is the i-th of the text's distinct characters in sorted order (nanoGPT's
+        shakespeare_char), so a token's loss is exactly a character's; saved as tokenizer_char.json.
 """
 import io
 import json
@@ -17,7 +19,7 @@ import numpy as np
 from etils import epath
 
 from lm_jax import models as model_lib
-from lm_jax.data import sources
+from lm_jax.data import sources, windows
 
 NUM_SENTINELS = 100
 _TRAIN_CHARS = 3_000_000      # training text sample: SentencePiece's training time grows with it (bench/README.md)
@@ -175,6 +177,30 @@ def _huggingface(path: pathlib.Path, family: str) -> Tokenizer:
                    word_start=word_start, sentinels=sentinels, serialized=tok.to_str(), path=str(path))
 
 
+def _chars(chars: str, path: str = "") -> Tokenizer:
+  """One id per character of `chars` (sorted, distinct); pad_id 0 pads decoding's prompts, nothing is an eos."""
+  index = {ch: i for i, ch in enumerate(chars)}
+
+  def encode(texts):
+    out = []
+    for text in texts:
+      unknown = set(text) - index.keys()
+      if unknown:
+        raise ValueError(f"char tokenizer {path or '(new)'}: characters {''.join(sorted(unknown))!r} are not in its "
+                         f"{len(chars)}-character vocabulary")
+      out.append([index[ch] for ch in text])
+    return out
+
+  return Tokenizer(pieces=list(chars), encode_batch=encode, decode=lambda ids: "".join(chars[i] for i in ids),
+                   specials={"pad_id": 0}, word_start=lambda p: not p.strip(),
+                   serialized=json.dumps({"chars": chars}), path=path)
+
+
+def char_vocabulary(texts) -> str:
+  """nanoGPT's vocabulary: the distinct characters of all `texts`, sorted by code point."""
+  return "".join(sorted(set().union(*map(set, texts))))
+
+
 def _read_json(path: pathlib.Path) -> dict:
   return json.loads(path.read_text()) if path.exists() else {}
 
@@ -197,6 +223,8 @@ def load(path: str, family: str) -> Tokenizer:
     p = models[0]
   if p.suffix == ".model":
     return _sentencepiece(p.read_bytes(), family, str(p))
+  if p.name.startswith("tokenizer_char") and p.suffix == ".json":
+    return _chars(json.loads(p.read_text())["chars"], str(p))
   return _huggingface(p, family)
 
 
@@ -205,7 +233,7 @@ def train(lines, *, family: str, vocab_size: int, model_type: str = "unigram") -
   length (each is cut into sentences SentencePiece keeps)."""
   import sentencepiece as spm
   if model_type not in ("unigram", "bpe"):
-    raise ValueError(f"config.data.tokenizer_type: {model_type!r}; use 'unigram' or 'bpe'")
+    raise ValueError(f"config.data.tokenizer_type: {model_type!r}; use 'unigram', 'bpe' or 'char'")
   out = io.BytesIO()
   spm.SentencePieceTrainer.train(
       sentence_iterator=(s for line in lines for s in spm_sentences(line)), model_writer=out,
@@ -236,6 +264,14 @@ def spm_sentences(line: str, max_bytes: int = _MAX_SENTENCE_BYTES):
     start = end
 
 
+def _write(path: epath.Path, data: bytes):
+  """Writes through a temporary file, so a reader never sees a partial tokenizer."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(f".tmp{os.getpid()}")
+  tmp.write_bytes(data)
+  tmp.replace(path)
+
+
 def num_sentinels(family: str) -> int:
   """Model ids a family's tokenizer has beyond its vocab_size: T5's sentinels (Tokens.sentinels), else none."""
   return NUM_SENTINELS if model_lib.family(family).tokens.sentinels else 0
@@ -257,17 +293,18 @@ def load_or_train(config, workdir: str) -> Tokenizer:
   family, vocab = config.model.family, config.model.vocab_size
   if config.data.tokenizer:
     tok = load(config.data.tokenizer, family)
+  elif config.data.tokenizer_type == "char":
+    path = epath.Path(workdir) / "tokenizer_char.json"
+    if not path.exists():
+      _write(path, json.dumps({"chars": char_vocabulary(windows.split_texts(config))}).encode())
+    tok = _chars(json.loads(path.read_text())["chars"], str(path))
   else:
     size = spm_vocab_size(family, vocab)
     kind = config.data.tokenizer_type
     path = epath.Path(workdir) / f"tokenizer_{family}_{kind}_{size}.model"   # epath: gs:// workdirs too
     if not path.exists():
-      proto = train(sources.training_text(config, _TRAIN_CHARS), family=family, vocab_size=size,
-                    model_type=kind)
-      path.parent.mkdir(parents=True, exist_ok=True)
-      tmp = path.with_suffix(f".tmp{os.getpid()}")
-      tmp.write_bytes(proto)
-      tmp.replace(path)
+      _write(path, train(sources.training_text(config, _TRAIN_CHARS), family=family, vocab_size=size,
+                         model_type=kind))
     tok = _sentencepiece(path.read_bytes(), family, str(path), fix="remove it to train it again from the data, or "
                          "name a tokenizer with --config.data.tokenizer")
   sentinels = num_sentinels(family)

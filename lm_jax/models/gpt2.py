@@ -3,7 +3,8 @@
 GPT-1's inputs and outputs (lm_jax/models/gpt.py: learned positions, tied LM head, the optional 'classifier' head
 with num_labels > 0, segment ids and positions of packed rows, the same KV cache) with GPT-2's changes (paper §2.3):
 layers.PreLNBlock, a final LayerNorm before the head, and the residual projections (attention out, MLP wo)
-initialised N(0, initializer_range / sqrt(2 * num_layers)).
+initialised N(0, initializer_range / sqrt(2 * num_layers)). model.use_bias=False drops every Dense and LayerNorm
+bias (nanoGPT's bias=False).
 """
 import functools
 import math
@@ -31,7 +32,8 @@ class Model(nn.Module):
     x, layer_cache = layers.stack(layers.PreLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
                                   cfg=cfg, deterministic=not train, kernel_init=init,
                                   out_init=out_init)(x, layer_cache, mask, index)
-    x = layers.LayerNorm(cfg.layer_norm_eps, name="final_ln", **layers.dtypes(cfg))(x)
+    x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=cfg.get("use_bias", True), name="final_ln",
+                         **layers.dtypes(cfg))(x)
     out = gpt.outputs(cfg, x, embed)
     if cache is not None:
       out["cache"] = {"layers": layer_cache, "mask": key_mask, "index": index + batch["input_ids"].shape[1]}

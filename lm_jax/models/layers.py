@@ -133,6 +133,17 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return nn.with_logical_constraint(x, tuple(axes))
 
 
+def _one_cpu() -> bool:
+  """True when compiling for one CPU device. There, Dense multiplies 2-D matrices: given x (B, T, D), XLA:CPU
+  computes the kernel gradient's contraction over (B, T) by first copying the output gradient transposed, and
+  where that gradient is an elementwise fusion (GELU's backward) it recomputes the fusion in the transposed layout,
+  the largest cost of a small model's step (bench/README.md#nanogpt). With (B*T, D) rows it contracts in place."""
+  if (_PLATFORM.get() or jax.default_backend()) != "cpu":
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or mesh.size == 1
+
+
 class Dense(nn.Module):
   """x @ kernel (+ bias) contracting x's trailing dims with the kernel's leading ones.
 
@@ -170,7 +181,12 @@ class Dense(nn.Module):
     else:
       kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, tuple(self.axes)),
                           shape, self.param_dtype)
-      y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+      if _one_cpu():   # one (rows, inputs) x (inputs, outputs) product, see _one_cpu
+        lead = x.shape[:x.ndim - n_in]
+        y = jnp.dot(x.reshape(-1, math.prod(shape[:n_in])).astype(self.dtype),
+                    kernel.reshape(math.prod(shape[:n_in]), -1).astype(self.dtype)).reshape(lead + features)
+      else:
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, tuple(self.axes[n_in:])),
                         features, self.param_dtype)
@@ -499,7 +515,7 @@ class PostLNBlock(nn.Module):
 
 class PreLNBlock(nn.Module):
   """GPT-2 layer: x = x + Drop(Attn(LN(x))); x = x + Drop(MLP(LN(x))). out_init: the residual projections' init
-  (GPT-2 scales it by 1/sqrt(2 * layers)). cfg: the model config."""
+  (GPT-2 scales it by 1/sqrt(2 * layers)). cfg: the model config; cfg.use_bias=False drops every bias (nanoGPT)."""
   cfg: Any
   deterministic: bool = True
   kernel_init: Init = nn.initializers.normal(0.02)
@@ -509,15 +525,16 @@ class PreLNBlock(nn.Module):
   def __call__(self, x, cache, mask, cache_index=None):
     cfg = self.cfg
     kw = dict(dtype=dtype(cfg.dtype), param_dtype=dtype(cfg.param_dtype))
+    bias = cfg.get("use_bias", True)
     drop = Dropout(cfg.dropout_rate, deterministic=self.deterministic)
-    h = LayerNorm(cfg.layer_norm_eps, name="attention_ln", **kw)(x)
-    a, cache = Attention(cfg.num_heads, head_dim(cfg), dropout_rate=cfg.attention_dropout_rate,
+    h = LayerNorm(cfg.layer_norm_eps, use_bias=bias, name="attention_ln", **kw)(x)
+    a, cache = Attention(cfg.num_heads, head_dim(cfg), use_bias=bias, dropout_rate=cfg.attention_dropout_rate,
                          deterministic=self.deterministic, kernel_init=self.kernel_init, out_init=self.out_init,
                          name="attention", **kw)(h, mask=mask, cache=cache, cache_index=cache_index)
     x = x + drop(a)
-    h = LayerNorm(cfg.layer_norm_eps, name="mlp_ln", **kw)(x)
-    x = x + drop(MLP(cfg.d_ff, cfg.activation, kernel_init=self.kernel_init, out_init=self.out_init, name="mlp",
-                     **kw)(h))
+    h = LayerNorm(cfg.layer_norm_eps, use_bias=bias, name="mlp_ln", **kw)(x)
+    x = x + drop(MLP(cfg.d_ff, cfg.activation, use_bias=bias, kernel_init=self.kernel_init, out_init=self.out_init,
+                     name="mlp", **kw)(h))
     return constrain(x, ("batch", "length", "embed")), cache
 
 
