@@ -160,11 +160,11 @@ def step_leaves(m, params):
 
 def step_matrices(m, params) -> list:
   """The weight matrices a token step multiplies its rows by (step_leaves), as generate holds them (output-major on
-  a CPU: layers.output_major), each (outputs, inputs): the layers' kernels and the tied LM head."""
+  a CPU: relayout.output_major), each (outputs, inputs): the layers' kernels and the tied LM head."""
   import jax
-  from lm_jax.models import layers
+  from lm_jax.models import relayout
   cpu = jax.default_backend() == "cpu"
-  params = jax.jit(layers.output_major)(params) if cpu else params
+  params = jax.jit(relayout.output_major)(params) if cpu else params
   mats = []
   for keys, leaf in step_leaves(m, params):
     if keys[-1] == ("kernel_t" if cpu else "kernel"):
@@ -201,9 +201,9 @@ def xla_step_bytes(m, params, rows, args) -> float:
   import jax
   import jax.numpy as jnp
   from lm_jax import models
-  from lm_jax.models import layers
+  from lm_jax.models import relayout
   if jax.default_backend() == "cpu":
-    params = jax.jit(layers.output_major)(params)
+    params = jax.jit(relayout.output_major)(params)
   shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
   if models.family(m).layout == "decoder":
     batch = {"input_ids": shape(rows, args.prompt_len)}

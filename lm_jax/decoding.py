@@ -3,10 +3,10 @@
 `generate` pads the prompts, then one jitted program feeds them in a single decode_step (the prefill) and runs the
 token loop in `lax.while_loop`, stopping as soon as every row is done. A token step reads every weight once, so
 its floor is the time to stream the weights and the filled cache from memory (bench/README.md, decode.py): each
-layer's cache is its own loop-carried buffer in the attention's layout, written in place (layers.write_cache);
+layer's cache is its own loop-carried buffer in the attention's layout, written in place (attention.write_cache);
 scanned params are split into layers once per call; the cache starts a bucket above the prompt and doubles, so
 the attention reads little more than the filled slots; beam search gathers only the self-attention keys / values.
-On a CPU the loop reads output-major copies of the kernels (layers.output_major, kept for the params of the last
+On a CPU the loop reads output-major copies of the kernels (relayout.output_major, kept for the params of the last
 call), which XLA's few-row products stream faster than the trained layout.
 
 What a prompt is depends on the family's layout (lm_jax.models.family): a decoder's (GPT) prompts are left-padded
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm_jax import models
-from lm_jax.models import layers
+from lm_jax.models import layers, relayout
 
 METHODS = ("greedy", "sample", "beam")
 _NEG = -1.0e9                            # transformers' score for excluded beams and hypotheses
@@ -268,12 +268,12 @@ class _Knobs(NamedTuple):   # traced: a change does not recompile
   penalty: jax.Array         # (max_new_tokens,) generated length ** length_penalty
 
 
-_output_major = jax.jit(layers.output_major)
+_output_major = jax.jit(relayout.output_major)
 _prepared: list = []   # at most one entry: (weak references to the last params' leaves, their output-major form)
 
 
 def _decoding_params(params):
-  """On a CPU, params with output-major kernels (layers.output_major), kept for the last params seen: a caller
+  """On a CPU, params with output-major kernels (relayout.output_major), kept for the last params seen: a caller
   that generates again with the same params (batches of prompts, lm-eval's requests) does not copy the weights
   again. One copy is kept until generate runs with other params."""
   leaves = jax.tree.leaves(params)
@@ -291,7 +291,7 @@ def _decoding_params(params):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _generate(cfg, opts, params, ids, mask, key, knobs):
-  cfg, params = layers.unscanned(cfg, params)   # once, not per step
+  cfg, params = relayout.unscanned(cfg, params)   # once, not per step
   if opts.beam:
     tokens = _beam_search(cfg, opts, knobs, params, ids, mask)
   else:

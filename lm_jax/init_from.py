@@ -30,7 +30,7 @@ from flax import traverse_util
 from lm_jax import checkpoint, layout as layout_lib, models, objectives, params as params_lib
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import export
-from lm_jax.models import layers
+from lm_jax.models import layers, relayout
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
 RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
@@ -155,7 +155,7 @@ def pretrained_params(config, mesh, rules) -> dict:
   params = restored.state["params"]
   if params_lib.method(source):   # an adapter run's model is its merged one (NF4 kernels dequantised)
     params = jax.jit(lambda p: params_lib.merged(source, p))(params)
-  return layers.relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
+  return relayout.relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
 
 
 # ---------------------------------------------------------------------------------------------- initial params

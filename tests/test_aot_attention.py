@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lm_jax import config_lib, models
-from lm_jax.models import layers
+from lm_jax.models import attention
 
 B, T, H, D = 2, 128, 2, 16
 
@@ -26,8 +26,8 @@ def test_kernels_equal_xla(kernel, causal):
   q, k, v, mask, valid = _inputs(causal)
 
   def loss(kernel_name, q, k, v):
-    with layers.attention_kernel(kernel_name, causal):
-      out = layers.dot_product_attention(q, k, v, mask=mask)
+    with attention.attention_kernel(kernel_name, causal):
+      out = attention.dot_product_attention(q, k, v, mask=mask)
     return jnp.sum(jnp.where(valid[:, :, None, None], out, 0.0) ** 2), out
 
   (ref_loss, ref), ref_grads = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)("xla", q, k, v)

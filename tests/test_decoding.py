@@ -167,18 +167,18 @@ def test_decode_step_updates_the_cache_in_place(gpt):
                                                    ((4, 9), ("embed", "heads", "kv"), (3, 2, 36)),
                                                    ((36,), ("heads", "kv", "embed"), (3, 2, 4, 9))])
 def test_output_major_kernels_give_the_same_products(features, axes, x_shape):
-  """A Dense reading layers.output_major's copy (axes reversed) computes what it computes from the trained kernel,
+  """A Dense reading relayout.output_major's copy (axes reversed) computes what it computes from the trained kernel,
   for a plain, a multi-output (query) and a multi-input (attention out) kernel, looped or in a scanned stack."""
-  from lm_jax.models import layers
+  from lm_jax.models import layers, relayout
   dense = layers.Dense(features, axes)
   x = jax.random.normal(jax.random.key(1), x_shape)
   params = nn.unbox(dense.init(jax.random.key(0), x)["params"])
   params["bias"] = params["bias"] + 0.5
   want = dense.apply({"params": params}, x)
-  got = dense.apply({"params": layers.output_major(params)}, x)
+  got = dense.apply({"params": relayout.output_major(params)}, x)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-  stacked = layers.output_major({"layers": jax.tree.map(lambda a: np.stack([a, 2 * a]), params)})["layers"]
-  np.testing.assert_array_equal(stacked["kernel_t"][1], 2 * layers.output_major(params)["kernel_t"])
+  stacked = relayout.output_major({"layers": jax.tree.map(lambda a: np.stack([a, 2 * a]), params)})["layers"]
+  np.testing.assert_array_equal(stacked["kernel_t"][1], 2 * relayout.output_major(params)["kernel_t"])
 
 
 def test_generate_streams_output_major_kernels_without_copying_them(gpt):

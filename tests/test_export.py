@@ -14,7 +14,7 @@ import safetensors.numpy
 
 from lm_jax import defaults, models
 from lm_jax.hf import export
-from lm_jax.models import layers
+from lm_jax.models import relayout
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -66,7 +66,7 @@ def random_params(family):
 
 def as_layout(params, scan):
   rest = {k: v for k, v in params.items() if not k.startswith("layers")}
-  return rest | layers.put_layers(layers.get_layers(params, 2), scan)
+  return rest | relayout.put_layers(relayout.get_layers(params, 2), scan)
 
 
 @pytest.mark.parametrize("activation,scan", [("gelu", False), ("gelu_tanh", True)])

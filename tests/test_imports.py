@@ -127,6 +127,14 @@ def test_no_family_module_imported_by_name_outside_models_and_hf():
   assert named == []
 
 
+def test_models_layers_do_one_job_each():
+  """layers (primitives) <- attention (kernels, KV cache) <- blocks (blocks, the stack); relayout reads layers only."""
+  edges, _ = _graph()
+  assert "lm_jax.models.attention" not in edges["lm_jax.models.layers"]
+  assert "lm_jax.models.blocks" not in edges["lm_jax.models.attention"] | edges["lm_jax.models.layers"]
+  assert edges["lm_jax.models.relayout"] <= {"lm_jax.models.layers"}
+
+
 def test_loading_a_config_imports_no_jax():
   """config_lib loads, overrides and parses; checking against devices (lm_jax.checks) is where the library loads."""
   code = ("import sys; from lm_jax import config_lib; config_lib.load('configs/bert.py:large', "

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lm_jax import defaults, models
-from lm_jax.models import layers
+from lm_jax.models import attention, layers, relayout
 
 IDS = jnp.array([[2, 5, 6, 7, 8, 9, 3], [2, 4, 5, 3, 0, 0, 0]])
 MASK = (IDS > 0).astype(jnp.int32)
@@ -36,7 +36,7 @@ def run(cfg, params, batch, **kw):
 
 def scanned(params):
   """Looped params -> the scan_layers=True layout."""
-  return layers.relayout(params, scan=True)
+  return relayout.relayout(params, scan=True)
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +97,14 @@ def test_relayout_converts_every_stack_both_ways():
   tree = {"encoder": {"layers": stack(), "final_ln": {"scale": np.ones(4)}}, "decoder": {"layers": stack()},
           "adapters": {"layers": {"mlp": {"wi": {"a": rng.normal(size=(3, 4, 2))}}}},
           "shared": {"embedding": np.ones(2)}}
-  looped = layers.relayout(tree, scan=False)
+  looped = relayout.relayout(tree, scan=False)
   assert sorted(looped["encoder"]) == ["final_ln", "layers_0", "layers_1", "layers_2"]
   np.testing.assert_array_equal(looped["decoder"]["layers_2"]["mlp"]["wi"]["kernel"],
                                 tree["decoder"]["layers"]["mlp"]["wi"]["kernel"][2])
   np.testing.assert_array_equal(looped["adapters"]["layers_1"]["mlp"]["wi"]["a"],
                                 tree["adapters"]["layers"]["mlp"]["wi"]["a"][1])
-  assert jax.tree.structure(layers.relayout(looped, scan=False)) == jax.tree.structure(looped)
-  jax.tree.map(np.testing.assert_array_equal, layers.relayout(looped, scan=True), tree)
+  assert jax.tree.structure(relayout.relayout(looped, scan=False)) == jax.tree.structure(looped)
+  jax.tree.map(np.testing.assert_array_equal, relayout.relayout(looped, scan=True), tree)
 
 
 def test_remat_policies(gpt_params):
@@ -214,13 +214,13 @@ def test_attention_matches_jax_reference_with_mask_bias_and_grads():
   rng = np.random.default_rng(0)
   q, k, v = jnp.asarray(rng.normal(size=(3, 2, 5, 3, 8)), jnp.float32)
   bias = jnp.asarray(rng.normal(size=(1, 3, 5, 5)), jnp.float32)
-  mask = layers.make_attention_mask(jnp.array([[1, 1, 1, 0, 0], [1] * 5]), causal=True, q_len=5, kv_len=5)
-  ours = lambda q, k, v, b: (layers.dot_product_attention(q, k, v, mask=mask, bias=b) ** 2).sum()
+  mask = attention.make_attention_mask(jnp.array([[1, 1, 1, 0, 0], [1] * 5]), causal=True, q_len=5, kv_len=5)
+  ours = lambda q, k, v, b: (attention.dot_product_attention(q, k, v, mask=mask, bias=b) ** 2).sum()
   ref = lambda q, k, v, b: (jax.nn.dot_product_attention(q, k, v, mask=mask, bias=b) ** 2).sum()
   np.testing.assert_allclose(ours(q, k, v, bias), ref(q, k, v, bias), rtol=1e-5)
   for a, b in zip(jax.grad(ours, (0, 1, 2, 3))(q, k, v, bias), jax.grad(ref, (0, 1, 2, 3))(q, k, v, bias)):
     np.testing.assert_allclose(a, b, atol=1e-4)
-  explicit = layers.dot_product_attention(q, k, v, mask=mask, bias=bias, dropout_rate=1e-9,
+  explicit = attention.dot_product_attention(q, k, v, mask=mask, bias=bias, dropout_rate=1e-9,
                                           dropout_rng=jax.random.PRNGKey(2))
   np.testing.assert_allclose(explicit, jax.nn.dot_product_attention(q, k, v, mask=mask, bias=bias), atol=1e-5)
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm_jax import models
-from lm_jax.models import layers
+from lm_jax.models import layers, relayout
 
 
 class TensorError(ValueError):
@@ -85,7 +85,7 @@ def tree_from_hf(tensors: dict, table, shapes: dict, prefix: str = "") -> dict:
 def stack_to_hf(params: dict, num_layers: int, table, prefix: str) -> dict[str, np.ndarray]:
   """HF tensors of a layer stack in either layout; `prefix` formats the layer index i, e.g. 'h.{i}.'."""
   out = {}
-  for i, layer in enumerate(layers.get_layers(params, num_layers)):
+  for i, layer in enumerate(relayout.get_layers(params, num_layers)):
     out |= tree_to_hf(layer, table, prefix.format(i=i))
   return out
 
@@ -93,7 +93,7 @@ def stack_to_hf(params: dict, num_layers: int, table, prefix: str) -> dict[str, 
 def stack_from_hf(tensors: dict, table, shapes: dict, num_layers: int, prefix: str, scan: bool) -> dict:
   """Inverse of stack_to_hf; `shapes` in the looped layout (looped_shapes), the result in the scan layout."""
   per_layer = [tree_from_hf(tensors, table, shapes[f"layers_{i}"], prefix.format(i=i)) for i in range(num_layers)]
-  return layers.put_layers(per_layer, scan)
+  return relayout.put_layers(per_layer, scan)
 
 
 def looped_shapes(cfg) -> dict:

@@ -14,7 +14,7 @@ import jax
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
-from lm_jax.models import bert, gpt, gpt2, layers, t5
+from lm_jax.models import attention, bert, gpt, gpt2, layers, t5
 from lm_jax.models.registry import LAYOUTS, Family
 from lm_jax.models.variables import ADAPTERS, adapter, check_plain, of_params
 
@@ -64,8 +64,8 @@ def validate(model_cfg) -> None:
                       ("remat_policy", layers.REMAT_POLICIES)):
     if get(name) not in known:
       raise ValueError(f"unknown model.{name} {get(name)!r}; known: {', '.join(known)}")
-  if get("attention", "xla") not in layers.ATTENTION_KERNELS:
-    raise ValueError(f"unknown model.attention {get('attention')!r}; known: {', '.join(layers.ATTENTION_KERNELS)}")
+  if get("attention", "xla") not in attention.ATTENTION_KERNELS:
+    raise ValueError(f"unknown model.attention {get('attention')!r}; known: {', '.join(attention.ATTENTION_KERNELS)}")
   if get("attention", "xla") != "xla" and get("attention_dropout_rate", 0.0) > 0:
     raise ValueError(f"model.attention={get('attention')!r} has no dropout on the attention probabilities: set "
                      "model.attention_dropout_rate=0 or model.attention='xla'")
@@ -126,7 +126,7 @@ def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None,
     raise ValueError("models.apply(train=True) needs an rng for dropout")
   cfg = layers.frozen(model_cfg)
   rngs = {"dropout": rng} if train else {}
-  with layers.attention_kernel(cfg.get("attention", "xla"), family(cfg).layout == "decoder"):
+  with attention.attention_kernel(cfg.get("attention", "xla"), family(cfg).layout == "decoder"):
     return family(cfg).Model(cfg).apply(variables, batch, train=train, rngs=rngs)
 
 

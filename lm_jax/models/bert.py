@@ -1,6 +1,6 @@
 """BERT (Devlin et al. 2019; google-research/bert): post-LN encoder, pooler, MLM and NSP heads.
 
-Params: word/position/token_type embeddings + embeddings_ln, the layer stack (layers.PostLNBlock),
+Params: word/position/token_type embeddings + embeddings_ln, the layer stack (blocks.PostLNBlock),
 pooler, and the heads 'mlm' (dense + act + LN, decoder tied to the word embeddings, output bias) and
 'nsp'. Init is TF BERT's truncated normal (initializer_range).
 
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from lm_jax import flops
-from lm_jax.models import layers
+from lm_jax.models import attention, blocks, layers
 from lm_jax.models.registry import Family, Tokens
 
 HEADS = ("mlm", "nsp", "classifier")   # on top of BertModel (embeddings + layers + pooler)
@@ -66,8 +66,8 @@ class Model(nn.Module):
     x = layers.Dropout(cfg.dropout_rate, deterministic=not train)(x)
     x = layers.constrain(x, ("batch", "length", "embed"))
 
-    mask = layers.make_attention_mask(attention_mask)
-    x, _ = layers.stack(layers.PostLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
+    mask = attention.make_attention_mask(attention_mask)
+    x, _ = blocks.stack(blocks.PostLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
                         cfg=cfg, deterministic=not train, kernel_init=init)(x, None, mask)
 
     pooled = jnp.tanh(layers.Dense((cfg.d_model,), ("embed", "mlp"), kernel_init=init, name="pooler", **kw)(x[:, 0]))

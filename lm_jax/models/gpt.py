@@ -1,6 +1,6 @@
 """GPT-1 (Radford et al. 2018; openai/finetune-transformer-lm): post-LN causal decoder.
 
-Token + learned position embeddings, layers.PostLNBlock with a causal mask, LM head tied to the
+Token + learned position embeddings, blocks.PostLNBlock with a causal mask, LM head tied to the
 token embeddings, N(0, initializer_range) init. A model config with num_labels > 0 adds a linear head
 'classifier' on the final hidden state of every position ('scores' (B,T,num_labels)): GPT-1's task head
 read at the extract token (paper §3.3), and the scalar reward / value head (num_labels = 1) of RLHF.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lm_jax import flops
-from lm_jax.models import layers
+from lm_jax.models import attention, blocks, layers, relayout
 from lm_jax.models.registry import Family, Tokens
 
 HEADS = ("classifier",)
@@ -36,7 +36,7 @@ class Model(nn.Module):
     init = nn.initializers.normal(cfg.initializer_range)
     positions, mask, layer_cache, index, key_mask = causal_inputs(batch, cache)
     x, embed = embed_inputs(cfg, batch["input_ids"], positions, train)
-    x, layer_cache = layers.stack(layers.PostLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
+    x, layer_cache = blocks.stack(blocks.PostLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
                                   cfg=cfg, deterministic=not train, kernel_init=init)(x, layer_cache, mask, index)
     out = outputs(cfg, x, embed)
     if cache is not None:
@@ -75,14 +75,14 @@ def causal_inputs(batch: dict, cache: dict | None):
   length = ids.shape[1]
   if cache is None:
     positions = batch.get("positions", jnp.arange(length)[None])
-    mask = layers.make_attention_mask(key_mask, causal=True, q_len=length, kv_len=length,
+    mask = attention.make_attention_mask(key_mask, causal=True, q_len=length, kv_len=length,
                                       q_segments=batch.get("segment_ids"))
     return positions, mask, None, None, None
   index = cache["index"]
   new = jnp.ones_like(ids, dtype=bool) if key_mask is None else key_mask.astype(bool)
   key_mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
   q_index = index + jnp.arange(length)[None]
-  mask = layers.make_attention_mask(key_mask, causal=True, q_index=q_index,
+  mask = attention.make_attention_mask(key_mask, causal=True, q_index=q_index,
                                     kv_index=jnp.arange(key_mask.shape[1])[None])
   return batch.get("positions", q_index), mask, cache["layers"], index, key_mask
 
@@ -107,7 +107,7 @@ def forward_flops(cfg, lengths) -> float:
 
 def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
   """Empty cache for batch['input_ids'].shape[0] rows (params unused: the signature is shared with T5):
-  'layers', per layer {'k', 'v'} (B, heads, max_length, head_dim) in model.dtype (layers.cache_layout), mask
+  'layers', per layer {'k', 'v'} (B, heads, max_length, head_dim) in model.dtype (attention.cache_layout), mask
   (B, max_length) of filled slots, index = next slot."""
   del params
   if max_length > cfg.max_positions:
@@ -123,14 +123,14 @@ def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict, attention_
                 positions: jax.Array | None = None, *, model: type[nn.Module] = Model) -> tuple[jax.Array, dict]:
   """Appends input_ids (B,T) at cache['index'] -> (logits (B,T,V), cache). attention_mask marks padding
   among the new tokens; positions default to index + arange(T). The first call can feed the prompt. `model`: a
-  Model of the same inputs and cache (GPT-2's). Scanned params are split into layers (layers.unscanned) here:
+  Model of the same inputs and cache (GPT-2's). Scanned params are split into layers (relayout.unscanned) here:
   a decoding loop splits them once before it."""
   batch = {"input_ids": input_ids}
   if attention_mask is not None:
     batch["attention_mask"] = attention_mask
   if positions is not None:
     batch["positions"] = positions
-  cfg, params = layers.unscanned(cfg, params)
+  cfg, params = relayout.unscanned(cfg, params)
   out = model(cfg).apply({"params": params}, batch, cache=cache)
   return out["logits"], out["cache"]
 

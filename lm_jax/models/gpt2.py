@@ -2,7 +2,7 @@
 
 GPT-1's inputs and outputs (lm_jax/models/gpt.py: learned positions, tied LM head, the optional 'classifier' head
 with num_labels > 0, segment ids and positions of packed rows, the same KV cache) with GPT-2's changes (paper §2.3):
-layers.PreLNBlock, a final LayerNorm before the head, and the residual projections (attention out, MLP wo)
+blocks.PreLNBlock, a final LayerNorm before the head, and the residual projections (attention out, MLP wo)
 initialised N(0, initializer_range / sqrt(2 * num_layers)). model.use_bias=False drops every Dense and LayerNorm
 bias (nanoGPT's bias=False).
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import flax.linen as nn
 
-from lm_jax.models import gpt, layers
+from lm_jax.models import blocks, gpt, layers
 from lm_jax.models.registry import Family
 
 HEADS = gpt.HEADS
@@ -29,7 +29,7 @@ class Model(nn.Module):
     out_init = nn.initializers.normal(cfg.initializer_range / math.sqrt(2 * cfg.num_layers))
     positions, mask, layer_cache, index, key_mask = gpt.causal_inputs(batch, cache)
     x, embed = gpt.embed_inputs(cfg, batch["input_ids"], positions, train)
-    x, layer_cache = layers.stack(layers.PreLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
+    x, layer_cache = blocks.stack(blocks.PreLNBlock, cfg.num_layers, scan=cfg.scan_layers, remat=cfg.remat_policy,
                                   cfg=cfg, deterministic=not train, kernel_init=init,
                                   out_init=out_init)(x, layer_cache, mask, index)
     x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=cfg.get("use_bias", True), name="final_ln",

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from lm_jax import flops
-from lm_jax.models import layers
+from lm_jax.models import attention, blocks, layers, relayout
 from lm_jax.models.registry import Family, Tokens
 
 
@@ -94,22 +94,22 @@ class Block(nn.Module):
     kw = layers.dtypes(cfg)
     norm = lambda name: layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, use_mean=False, name=name, **kw)
     drop = lambda y: layers.Dropout(cfg.dropout_rate, deterministic=self.deterministic)(y)
-    attention = lambda name: layers.Attention(
+    attend = lambda name: attention.Attention(
         h, dh, use_bias=False, scale_logits=False, dropout_rate=cfg.attention_dropout_rate,
         deterministic=self.deterministic, kernel_init=nn.initializers.normal(d ** -0.5),
         query_init=nn.initializers.normal((d * dh) ** -0.5), out_init=nn.initializers.normal((h * dh) ** -0.5),
         name=name, **kw)
 
     self_cache = None if cache is None else {"k": cache["k"], "v": cache["v"]}
-    y, self_cache = attention("self_attention")(norm("self_attention_norm")(x), mask=mask, bias=bias,
+    y, self_cache = attend("self_attention")(norm("self_attention_norm")(x), mask=mask, bias=bias,
                                                 cache=self_cache, cache_index=cache_index)
     x = x + drop(y)
     if self.decoder:
       y = norm("cross_attention_norm")(x)
       if cache is None:
-        y, _ = attention("cross_attention")(y, encoded, mask=cross_mask)
+        y, _ = attend("cross_attention")(y, encoded, mask=cross_mask)
       else:  # decoding: the encoder's keys/values are in the cache
-        y, _ = attention("cross_attention")(y, mask=cross_mask, cache={"k": cache["cross_k"], "v": cache["cross_v"]})
+        y, _ = attend("cross_attention")(y, mask=cross_mask, cache={"k": cache["cross_k"], "v": cache["cross_v"]})
       x = x + drop(y)
     y = layers.MLP(cfg.d_ff, cfg.activation, gated=cfg.gated_ffn, use_bias=False, dropout_rate=cfg.dropout_rate,
                    deterministic=self.deterministic, kernel_init=nn.initializers.normal(d ** -0.5),
@@ -130,7 +130,7 @@ class Stack(nn.Module):
     drop = lambda y: layers.Dropout(cfg.dropout_rate, deterministic=deterministic)(y)
     bias = RelativeBias(cfg, bidirectional=not self.decoder, name="relative_bias")(q_pos, kv_pos)
     n = num_decoder_layers(cfg) if self.decoder else cfg.num_layers
-    run = layers.stack(Block, n, scan=cfg.scan_layers, remat=cfg.remat_policy, cfg=cfg, decoder=self.decoder,
+    run = blocks.stack(Block, n, scan=cfg.scan_layers, remat=cfg.remat_policy, cfg=cfg, decoder=self.decoder,
                        deterministic=deterministic)
     shared = (mask, bias) + ((encoded, cross_mask, cache_index) if self.decoder else ())
     x, cache = run(drop(x), cache, *shared)
@@ -160,7 +160,7 @@ class Model(nn.Module):
   def encode(self, input_ids, attention_mask, train: bool = False):
     x = layers.constrain(self.shared(input_ids), ("batch", "length", "embed"))
     pos = jnp.arange(input_ids.shape[1])
-    x, _ = self.encoder(x, layers.make_attention_mask(attention_mask), pos, pos, deterministic=not train)
+    x, _ = self.encoder(x, attention.make_attention_mask(attention_mask), pos, pos, deterministic=not train)
     return x
 
   def decode(self, decoder_input_ids, decoder_attention_mask, encoded, attention_mask, *, cache=None,
@@ -176,9 +176,9 @@ class Model(nn.Module):
     else:
       index, kv, q_pos = cache["index"], cache["layers"], cache["index"] + jnp.arange(t)
       kv_pos = jnp.arange(cache["mask"].shape[1])
-    mask = layers.make_attention_mask(decoder_attention_mask, causal=True, q_index=q_pos[None],
+    mask = attention.make_attention_mask(decoder_attention_mask, causal=True, q_index=q_pos[None],
                                       kv_index=kv_pos[None])
-    cross_mask = layers.make_attention_mask(attention_mask)
+    cross_mask = attention.make_attention_mask(attention_mask)
     hidden, kv = self.decoder(x, mask, q_pos, kv_pos, encoded, cross_mask, kv, index, deterministic=not train)
     if self.cfg.tie_embeddings:
       logits = self.shared.attend(hidden * self.cfg.d_model ** -0.5)
@@ -204,17 +204,17 @@ def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
   decoder layer's cross-attention; the decoder self-attention cache starts empty.
 
   'layers': per decoder layer k/v (B, heads, max_length, head_dim) and cross_k/cross_v (B, heads, L, head_dim)
-  in model.dtype (layers.cache_layout), mask (B, max_length) of filled slots, index = next slot, encoder_mask
+  in model.dtype (attention.cache_layout), mask (B, max_length) of filled slots, index = next slot, encoder_mask
   (B, L).
   """
   cfg = layers.frozen(cfg)
   enc_mask = batch.get("attention_mask", jnp.ones(batch["input_ids"].shape, jnp.int32))
   encoded = Model(cfg).apply({"params": params}, batch["input_ids"], enc_mask, method=Model.encode)
   dt, n, b = layers.dtype(cfg.dtype), num_decoder_layers(cfg), encoded.shape[0]
-  project = lambda p: layers.cache_layout(jnp.einsum("bsd,dhk->bshk", encoded, p["kernel"].astype(dt)))
+  project = lambda p: attention.cache_layout(jnp.einsum("bsd,dhk->bshk", encoded, p["kernel"].astype(dt)))
   zeros = lambda: jnp.zeros((b, cfg.num_heads, max_length, layers.head_dim(cfg)), dt)
   caches = tuple({"k": zeros(), "v": zeros(), "cross_k": project(p["cross_attention"]["key"]),
-                  "cross_v": project(p["cross_attention"]["value"])} for p in layers.get_layers(params["decoder"], n))
+                  "cross_v": project(p["cross_attention"]["value"])} for p in relayout.get_layers(params["decoder"], n))
   return {"layers": caches, "mask": jnp.zeros((b, max_length), bool), "index": jnp.zeros((), jnp.int32),
           "encoder_mask": jnp.asarray(enc_mask)}
 
@@ -223,8 +223,8 @@ def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict,
                 attention_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Appends decoder tokens input_ids (B,T) at cache['index'] -> (their logits (B,T,V), updated cache).
   attention_mask (B,T) marks padding among the new tokens. The first call can feed a whole prefix. Scanned params
-  are split into layers (layers.unscanned) here: a decoding loop splits them once before it."""
-  cfg, params = layers.unscanned(cfg, params)
+  are split into layers (relayout.unscanned) here: a decoding loop splits them once before it."""
+  cfg, params = relayout.unscanned(cfg, params)
   index = cache["index"]
   new = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
   mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
