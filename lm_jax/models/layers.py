@@ -137,7 +137,7 @@ def _one_cpu() -> bool:
   """True when compiling for one CPU device. There, Dense multiplies 2-D matrices: given x (B, T, D), XLA:CPU
   computes the kernel gradient's contraction over (B, T) by first copying the output gradient transposed, and
   where that gradient is an elementwise fusion (GELU's backward) it recomputes the fusion in the transposed layout,
-  the largest cost of a small model's step (bench/README.md#nanogpt). With (B*T, D) rows it contracts in place."""
+  the largest cost of a small model's step (bench/README.md, nanoGPT). With (B*T, D) rows it contracts in place."""
   if (_PLATFORM.get() or jax.default_backend()) != "cpu":
     return False
   mesh = jax.sharding.get_abstract_mesh()
