@@ -5,6 +5,9 @@
 # table), gpu_mfu.json (every step time) and gpu_info.txt. About 5-6 minutes; hard limit 8.
 #   bash bench/gpu.sh [OUT_DIR [extra train_step.py args]]   (OUT_DIR defaults to $OUT, else bench_out)
 #   bash bench/gpu.sh /tmp/q --quick --steps 2 --warmup 1 --matmul_size 256    # CPU smoke test of the same calls
+#   bash bench/gpu.sh OUT_DIR nanogpt [bench/nanogpt.py args]   # instead: nanoGPT's GPU Shakespeare recipe, ours
+#       (and nanoGPT's own train.py where NANOGPT_DIR names a checkout and torch has CUDA) against its published
+#       best val loss 1.4697 (about 3 minutes on an A100); writes OUT_DIR/nanogpt.txt and nanogpt.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-bench_out}}
@@ -27,6 +30,11 @@ fi
 } 2>&1 | tee "$out/gpu_info.txt"
 
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+if [[ ${extra[0]:-} == nanogpt ]]; then
+  timeout $((deadline - SECONDS)) python3 bench/nanogpt.py --gpu --nanogpt="${NANOGPT_DIR:-}" \
+    --json "$out/nanogpt.json" "${extra[@]:1}" 2>&1 | tee "$out/nanogpt.txt"
+  exit "${PIPESTATUS[0]}"
+fi
 common=(--dtype bfloat16 --peak_tflops 989 --peers none --matmul_size 8192 --steps 10 --warmup 3)
 run() {  # name, seconds allowed, train_step.py arguments...
   local name=$1 limit=$2; shift 2

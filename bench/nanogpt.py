@@ -93,12 +93,12 @@ def run(cmd: list[str], cwd: str, args) -> tuple[float, str]:
 
 def nanogpt_result(out: str) -> dict:
   """Step times from 'iter N: loss L, time T ms' (the first 5 and the ones right after an eval left out) and the
-  last 'step N: train loss A, val loss B'."""
+  last and lowest 'step N: train loss A, val loss B'."""
   times = {int(i): float(t) for i, t in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", out)}
-  evals = [int(i) for i, _ in re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", out)]
-  kept = [t for i, t in times.items() if i >= 5 and i not in evals]
-  val = re.findall(r"step \d+: train loss [\d.]+, val loss ([\d.]+)", out)
-  return {"ms_step": statistics.median(kept or list(times.values())), "val_loss": float(val[-1]) if val else None}
+  evals = [(int(i), float(v)) for i, v in re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", out)]
+  kept = [t for i, t in times.items() if i >= 5 and i not in dict(evals)]
+  return {"ms_step": statistics.median(kept or list(times.values())), "val_loss": evals[-1][1],
+          "best": min(v for _, v in evals)}
 
 
 def ours_result(workdir: str, tokens_per_step: int) -> dict:
@@ -106,8 +106,8 @@ def ours_result(workdir: str, tokens_per_step: int) -> dict:
   records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   rates = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r]
   rates = rates[1:] or rates
-  evals = [r for r in records if "eval_loss" in r]
-  return {"ms_step": 1000 * tokens_per_step / statistics.median(rates), "val_loss": evals[-1]["eval_loss"]}
+  evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+  return {"ms_step": 1000 * tokens_per_step / statistics.median(rates), "val_loss": evals[-1], "best": min(evals)}
 
 
 def main(argv=None):
@@ -141,12 +141,15 @@ def main(argv=None):
     load = os.getloadavg()[0]
     wall, out = run(ours_command(args, workdir), REPO, args)
     results["lm_jax"] = dict(ours_result(workdir, tokens), wall_s=wall, load=(load, os.getloadavg()[0]))
-  print(f"{'':8} {'wall s':>7} {'ms/step':>8} {'tokens/s':>9} {'val loss':>9}  {'load before/after':>17}  val loss is")
+  print(f"{'':8} {'wall s':>7} {'ms/step':>8} {'tokens/s':>9} {'val loss':>9} {'best':>7}  {'load before/after':>17}  "
+        "val loss is")
   for name, r in results.items():
     what = "mean of eval_iters random batches" if name == "nanoGPT" else \
         "exact, first 2 batches" if args.quick else "exact, whole val split"
     print(f"{name:8} {r['wall_s']:7.1f} {r['ms_step']:8.1f} {1000 * tokens / r['ms_step']:9,.0f} "
-          f"{r['val_loss']:9.4f}  {r['load'][0]:8.2f}/{r['load'][1]:.2f}  {what}")
+          f"{r['val_loss']:9.4f} {r['best']:7.4f}  {r['load'][0]:8.2f}/{r['load'][1]:.2f}  {what}")
+  print(f"lm_jax's best val loss - nanoGPT's published {PUBLISHED[kind]}: "
+        f"{results['lm_jax']['best'] - PUBLISHED[kind]:+.4f} nats/char")
   if "nanoGPT" in results:
     n, o = results["nanoGPT"], results["lm_jax"]
     print(f"lm_jax / nanoGPT: wall {o['wall_s'] / n['wall_s']:.2f}x, step {o['ms_step'] / n['ms_step']:.2f}x; "

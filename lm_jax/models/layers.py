@@ -22,28 +22,21 @@ import jax.numpy as jnp
 import ml_collections
 
 from lm_jax.models import nf4
+
 Init = Callable[..., jax.Array]
-
-
 LOOPED = re.compile(r"layers_(\d+)")   # a looped layer's key; scanned layers are all under "layers"
-
 
 # Variable collections beside 'params' that lm_jax.models.apply fills from the run's params, at the same module
 # paths and scanned with their layers: an adapter method's adapters (LoRA's matrices, IA³'s vectors: lm_jax.peft)
 # and NF4 kernels (QLoRA, Dense reads them).
 ADAPTERS, QUANTISED = "adapters", "nf4"
 
-
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
 ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),   # exact erf (HF "gelu")
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # original BERT/GPT TF code
     "relu": jax.nn.relu,
 }
-
-
 REMAT_POLICIES = {
     "none": None,
     "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep weight matmuls
@@ -160,7 +153,7 @@ def _one_cpu() -> bool:
   """True when compiling for one CPU device. There, Dense multiplies 2-D matrices: given x (B, T, D), XLA:CPU
   computes the kernel gradient's contraction over (B, T) by first copying the output gradient transposed, and
   where that gradient is an elementwise fusion (GELU's backward) it recomputes the fusion in the transposed layout,
-  the largest cost of a small model's step (bench/README.md#nanogpt). With (B*T, D) rows it contracts in place."""
+  the largest cost of a small model's step (bench/README.md, nanoGPT). With (B*T, D) rows it contracts in place."""
   if platform() != "cpu":
     return False
   mesh = jax.sharding.get_abstract_mesh()
