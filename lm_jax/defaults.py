@@ -11,7 +11,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.tfds_name = ""           # e.g. "tiny_shakespeare", "c4/en:3.1.0"
   c.data.tfds_data_dir = ""       # "" = TFDS default (~/tensorflow_datasets or $TFDS_DATA_DIR)
-  c.data.files = ""               # glob of .txt/.jsonl/.tsv; when set it replaces the TFDS source
+  c.data.files = ""               # glob of .txt/.jsonl/.tsv/.jsonl.gz/.jsonl.zst/.parquet/datasets folders; replaces TFDS
   c.data.train_split = "train"
   c.data.eval_split = "validation"
   c.data.text_field = "text"
