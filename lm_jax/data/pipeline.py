@@ -26,8 +26,10 @@ import grain
 import numpy as np
 from absl import logging
 
+from lm_jax import config_lib
 from lm_jax.data import corpus as corpus_lib
 from lm_jax.data import mixture as mixture_lib
+from lm_jax.data import prepared
 from lm_jax.data import rows as rows_lib
 from lm_jax.data import sources
 from lm_jax.data import windows as windows_lib
@@ -303,6 +305,9 @@ def _corpus(config, split: str, layout, tokenizer, source: mixture_lib.Source | 
       raise ValueError(f"config.data.mixture mixes pre-training text; objective {config.objective!r} reads its "
                        "examples from config.task: clear the mixture")
     return layout.corpus(split)
+  if config.data.prepared:
+    config_lib.require(source is None, "config.data.prepared reads one prepared source; clear config.data.mixture")
+    return prepared.open_split(config, split, tokenizer, layout.as_sentences)
   docs = sources.documents(config, split, source)
   return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
 
