@@ -20,9 +20,13 @@ class Corpus:
   visit for larger ones.
   """
 
-  def __init__(self, docs, tokenizer, *, as_sentences: bool):
+  def __init__(self, docs, tokenizer, *, as_sentences: bool, workers=None):
     self.docs, self.path = docs, docs.path
-    self._tok, self._as_sentences = tokenizer, as_sentences
+    self._tok, self._as_sentences, self._workers = tokenizer, as_sentences, workers
+    # documents the rows tokenize ahead in one call, enough for every worker process (data/workers.py) to have a
+    # share; they are counted when asked for, as without workers
+    self.read_ahead = DOCS_PER_CALL * 4 * workers.n if workers else 0
+    self._ahead = {}
     self._cache, self._cached, self._recent = {}, 0, {}
     self.tally = records.Tally(docs, ("empty", "undecodable", "malformed", "too_short"))
     self.bytes = self.chars = self.tokens_count = 0
@@ -41,14 +45,25 @@ class Corpus:
       self._tokenize(missing)
     return [self._cache[i] if i in self._cache else self._recent[i] for i in ids]
 
+  def prefetch(self, ids: list[int]):
+    """Tokenizes these documents in one call (over the workers) for tokens() to find; nothing is counted yet."""
+    keep = {i: self._ahead[i] for i in ids if i in self._ahead}
+    missing = [i for i in dict.fromkeys(ids) if i not in self._cache and i not in self._recent and i not in keep]
+    self._ahead = {**keep, **dict(zip(missing, self._encode([self.docs[i] for i in missing])))}
+
   def _tokenize(self, ids):
-    for i, (value, bad, n_bytes, n_chars, n_tokens) in zip(ids, self._encode([self.docs[i] for i in ids])):
+    fresh = [i for i in ids if i not in self._ahead]
+    made = dict(zip(fresh, self._encode([self.docs[i] for i in fresh]))) if fresh else {}
+    for i in ids:
+      value, bad, n_bytes, n_chars, n_tokens = self._ahead.pop(i) if i in self._ahead else made[i]
       self.bytes += n_bytes
       self.chars += n_chars
       self.tokens_count += n_tokens
       self._store(i, value, bad)
 
   def _encode(self, texts: list) -> list:
+    if self._workers:
+      return self._workers.tokenize(texts, self._as_sentences)
     return tokenize(texts, self._tok, self._as_sentences)
 
   def _store(self, i, value, bad):
@@ -59,7 +74,7 @@ class Corpus:
       self._cached += size
     else:                        # cache full: keep the last few hundred documents only
       self._recent[i] = value
-      if len(self._recent) > 8 * DOCS_PER_CALL:
+      if len(self._recent) > 8 * DOCS_PER_CALL + self.read_ahead:
         del self._recent[next(iter(self._recent))]
 
 

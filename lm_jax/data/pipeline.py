@@ -31,7 +31,7 @@ from lm_jax.data import corpus as corpus_lib
 from lm_jax.data import mixture as mixture_lib
 from lm_jax.data import prepared
 from lm_jax.data import rows as rows_lib
-from lm_jax.data import sources
+from lm_jax.data import sources, workers
 from lm_jax.data import windows as windows_lib
 
 WINDOW_ROWS = 1024            # rows shuffled together; a restore rebuilds at most this many
@@ -309,7 +309,8 @@ def _corpus(config, split: str, layout, tokenizer, source: mixture_lib.Source | 
     config_lib.require(source is None, "config.data.prepared reads one prepared source; clear config.data.mixture")
     return prepared.open_split(config, split, tokenizer, layout.as_sentences)
   docs = sources.documents(config, split, source)
-  return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
+  pool = workers.Workers(tokenizer, config.model.family, config.data.workers) if config.data.workers > 1 else None
+  return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences, workers=pool)
 
 
 def _local_rows(config, process_index: int, process_count: int) -> slice:
