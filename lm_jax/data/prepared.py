@@ -117,11 +117,9 @@ class PreparedCorpus:
     return len(self.docs)
 
   def tokens(self, ids: list[int]) -> list:
-    raws = self.docs._source.__getitems__(list(ids)) if hasattr(self.docs._source, "__getitems__") else [
-        self.docs[i] for i in ids]
     out = []
-    for i, raw in zip(ids, raws):
-      value, bad, n_bytes, n_chars, n_tokens, _ = decode(raw)
+    for i in ids:     # one record at a time: the source's batched read starts a thread pool per call
+      value, bad, n_bytes, n_chars, n_tokens, _ = decode(self.docs[i])
       if not self._seen[i]:              # counted once, as a Corpus counts a document it keeps
         self._seen[i] = True
         self.tally.count(i, bad and bad.reason, bad and bad.detail)
