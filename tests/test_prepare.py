@@ -73,7 +73,7 @@ def test_prepared_training_is_the_on_the_fly_training_batch_for_batch(prepared, 
   reference = take(fly, 10)
   p = _config(objective, work.parent, prepared=str(work / "p1"))
   p.data.files = c.data.files
-  it = _it(p, tok, window_rows=18, prefetch=2)
+  it = _it(p, tok, window_rows=18, prefetch=0)
   same_batches(take(it, 10), reference)
   assert it.stats == fly.stats and it.stats["documents"] > 0
   ev, ev_p = (pipeline.make_eval_iterator(x, tok, objectives.get(objective)) for x in (c, p))
