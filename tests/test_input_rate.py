@@ -31,6 +31,8 @@ def test_bert_large_on_v4_32_needs_three_cores_on_the_fly_and_one_prepared(rates
   line = input_rate.describe(p)
   assert line.startswith("input: 235,000 tokens/s per host needed; this pipeline per core: on the fly 96,500 -> 3 "
                          "cores, prepared 400,000 -> 1 cores (") and line.endswith("seq_len 128, load 3.0)")
+  short = input_rate.describe(input_rate.plan(config, 3_130_000.0, hosts=4))     # v6e-16: 782,500 per host
+  assert short.endswith("SHORT: the pipeline builds rows in one process, 400,000 tokens/s prepared, 51% of the need")
 
 
 def test_the_nearest_seq_len_of_the_same_objective_and_one_process(rates):

@@ -4,7 +4,9 @@ this pipeline's measured tokens/s per core, on the fly and from prepared shards,
 The measurement is cached: bench/data_throughput.py writes bench/input_rates.json (or the file $LM_JAX_INPUT_RATES
 names): per objective (and NSP) and seq_len, the single-process rate on WikiText-2 with the paper's config, and the
 load of the machine it ran on. The row of the same objective and the nearest seq_len is used; a loaded machine
-makes it a lower bound, so the cores are an upper bound.
+makes it a lower bound, so the cores are an upper bound. The cores assume the work spreads over processes; today
+only tokenizing does (data.workers), rows, masks and batches are built in one process, so a need above one
+process's prepared rate is reported as short.
 """
 import json
 import math
@@ -56,6 +58,10 @@ def describe(p: dict) -> str:
   m = p["measured"]
   if not m:
     return f"{head}; this pipeline's rate is not measured for this objective (run bench/data_throughput.py)"
-  return (f"{head}; this pipeline per core: on the fly {m['on_the_fly']:,.0f} -> {p['cores_on_the_fly']} cores, "
+  line = (f"{head}; this pipeline per core: on the fly {m['on_the_fly']:,.0f} -> {p['cores_on_the_fly']} cores, "
           f"prepared {m['prepared']:,.0f} -> {p['cores_prepared']} cores ({m['source']}, seq_len {m['seq_len']}, "
           f"load {m['load']:.1f})")
+  if p["cores_prepared"] > 1:   # rows, masks and batches are built in one process (data.workers only tokenize)
+    line += (f"; SHORT: the pipeline builds rows in one process, {m['prepared']:,.0f} tokens/s prepared, "
+             f"{m['prepared'] / p['need_per_host']:.0%} of the need")
+  return line
