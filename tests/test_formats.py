@@ -104,3 +104,13 @@ def test_a_spill_is_made_once_and_again_when_the_file_changes(twins, tmp_path):
   path.write_bytes(gzip.compress(b'{"text": "three four five"}\n'))
   os.utime(path, ns=(1, 1))
   assert list(_read(path)) == ["three four five"]
+
+
+def test_a_glob_of_several_files_reads_them_in_order(twins, tmp_path):
+  d, texts = twins
+  for k in range(3):
+    (tmp_path / f"part-{k}.jsonl.gz").write_bytes(gzip.compress(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts[k * 100:(k + 1) * 100]).encode()))
+  got = _read(tmp_path / "part-*.jsonl.gz")
+  assert len(got) == 300 and list(got) == texts[:300] and got.where(150) == f"{tmp_path / 'part-1.jsonl.gz'}:51"
+  assert list(_read(tmp_path / "part-*.jsonl.gz", "train[95:205]")) == texts[95:205]

@@ -32,6 +32,7 @@ at the start rather than at the end of an epoch.
 Invalid UTF-8 inside a record is replaced by U+FFFD byte by byte and the record kept (a warning names the file;
 `.decode_stats` counts them); a file with NUL bytes, or mostly not UTF-8, in its first block is refused as binary.
 """
+import bisect
 import dataclasses
 import glob
 import itertools
@@ -331,7 +332,7 @@ class Spilled(Records):
 
   def _locate(self, i):
     j = self._span[i]
-    k = next(k for k in range(len(self._files)) if j < self._starts[k + 1])
+    k = bisect.bisect_right(self._starts, j) - 1
     return k, j - self._starts[k]
 
   def _item(self, i):
