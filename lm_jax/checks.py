@@ -34,6 +34,7 @@ RANGES = {
     "optimizer.weight_decay": _at_least(0), "optimizer.warmup_steps": _at_least(0),
     "optimizer.clip_norm": _at_least(0),
     "data.target_len": _at_least(0), "data.eval_batches": _at_least(0), "data.shards": _at_least(1),
+    "data.workers": _at_least(1),
     "model.initializer_range": _above(0),
 }
 

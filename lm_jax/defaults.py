@@ -11,7 +11,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.tfds_name = ""           # e.g. "tiny_shakespeare", "c4/en:3.1.0"
   c.data.tfds_data_dir = ""       # "" = TFDS default (~/tensorflow_datasets or $TFDS_DATA_DIR)
-  c.data.files = ""               # glob of .txt/.jsonl/.tsv; when set it replaces the TFDS source
+  c.data.files = ""               # glob: .txt .jsonl .tsv .jsonl.gz .jsonl.zst .parquet, datasets folders
   c.data.train_split = "train"
   c.data.eval_split = "validation"
   c.data.text_field = "text"
@@ -32,6 +32,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.windows = False          # train on random seq_len windows of the split's text (nanoGPT's get_batch) and
                                   # eval on all of it in consecutive windows (lm_jax/data/windows.py)
   c.data.eval_batches = 8         # batches per eval; 0 = every complete batch of the eval split
+  c.data.prepared = ""            # tokenized shards (python -m lm_jax.prepare) read instead of files
+  c.data.workers = 1              # processes tokenizing on the fly (the same batches for any number)
   c.data.mixture = ()             # sources sampled by weight into one stream (replaces tfds_name):
                                   # (dict(name=, files= or tfds_name=, text_field=, train_split=, eval_split=,
                                   # weight=), ...); left-out fields are data.*'s (lm_jax/data/mixture.py)

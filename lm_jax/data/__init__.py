@@ -1,8 +1,11 @@
-"""Data: one record reader (records.py: TFDS, local files; bad records counted and named by file:line) under
-pre-training text (sources; several mixed by weight: mixture), task examples (tasks), instructions / preferences /
-PPO prompts (instructions); tokenizers, and the input pipeline that feeds each objective.
+"""Data: one record reader (records.py: TFDS, local files in the formats corpora come in (formats.py), big or
+compressed ones through a cached spill (spill.py); bad records counted and named by file:line) under pre-training
+text (sources; several mixed by weight: mixture), task examples (tasks), instructions / preferences / PPO prompts
+(instructions); tokenizers, and the input pipeline that feeds each objective, tokenizing on the fly (in worker
+processes: workers.py) or reading shards tokenized once (prepare.py, prepared.py).
 
 tokenizer.load_or_train(config, workdir) -> Tokenizer
 pipeline.make_train_iterator / make_eval_iterator(config, tokenizer, objective, process_index=, process_count=)
 rows.Stream / rows.PerDocument: the two row layouts an objective chooses from
+input_rate.plan(config, tokens_per_second, hosts): the input a planned step needs, beside this pipeline's rate
 """

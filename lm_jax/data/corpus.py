@@ -20,9 +20,13 @@ class Corpus:
   visit for larger ones.
   """
 
-  def __init__(self, docs, tokenizer, *, as_sentences: bool):
+  def __init__(self, docs, tokenizer, *, as_sentences: bool, workers=None):
     self.docs, self.path = docs, docs.path
-    self._tok, self._as_sentences = tokenizer, as_sentences
+    self._tok, self._as_sentences, self._workers = tokenizer, as_sentences, workers
+    # documents the rows tokenize ahead in one call, enough for every worker process (data/workers.py) to have a
+    # share; they are counted when asked for, as without workers
+    self.read_ahead = DOCS_PER_CALL * 4 * workers.n if workers else 0
+    self._ahead = {}
     self._cache, self._cached, self._recent = {}, 0, {}
     self.tally = records.Tally(docs, ("empty", "undecodable", "malformed", "too_short"))
     self.bytes = self.chars = self.tokens_count = 0
@@ -41,35 +45,26 @@ class Corpus:
       self._tokenize(missing)
     return [self._cache[i] if i in self._cache else self._recent[i] for i in ids]
 
-  def _tokenize(self, ids):
-    texts, good = [], []
-    for i in ids:
-      text = self.docs[i]
-      bad = text if isinstance(text, records.Bad) else (records.Bad("empty") if not text.strip() else None)
-      if bad:
-        self._store(i, [] if self._as_sentences else np.zeros(0, np.int32), bad)
-      else:
-        good.append(i)
-        texts.append(nsp.sentences(text) if self._as_sentences else text)
-    if self._as_sentences:
-      flat = self._tok.encode_batch([s for t in texts for s in t])
-      k = 0
-      for i, t in zip(good, texts):
-        segs = [np.asarray(s, np.int32) for s in flat[k:k + len(t)] if s]
-        k += len(t)
-        n = sum(map(len, segs))
-        self._count(t, n)
-        self._store(i, segs if n >= MIN_TOKENS else [], None if n >= MIN_TOKENS else _too_short(n))
-    else:
-      for i, t, ids_ in zip(good, texts, self._tok.encode_batch(texts)):
-        self._count([t], len(ids_))
-        ok = len(ids_) >= MIN_TOKENS
-        self._store(i, np.asarray(ids_ if ok else [], np.int32), None if ok else _too_short(len(ids_)))
+  def prefetch(self, ids: list[int]):
+    """Tokenizes these documents in one call (over the workers) for tokens() to find; nothing is counted yet."""
+    keep = {i: self._ahead[i] for i in ids if i in self._ahead}
+    missing = [i for i in dict.fromkeys(ids) if i not in self._cache and i not in self._recent and i not in keep]
+    self._ahead = {**keep, **dict(zip(missing, self._encode([self.docs[i] for i in missing])))}
 
-  def _count(self, texts, n):
-    self.bytes += sum(len(t.encode("utf-8")) for t in texts)
-    self.chars += sum(map(len, texts))
-    self.tokens_count += n
+  def _tokenize(self, ids):
+    fresh = [i for i in ids if i not in self._ahead]
+    made = dict(zip(fresh, self._encode([self.docs[i] for i in fresh]))) if fresh else {}
+    for i in ids:
+      value, bad, n_bytes, n_chars, n_tokens = self._ahead.pop(i) if i in self._ahead else made[i]
+      self.bytes += n_bytes
+      self.chars += n_chars
+      self.tokens_count += n_tokens
+      self._store(i, value, bad)
+
+  def _encode(self, texts: list) -> list:
+    if self._workers:
+      return self._workers.tokenize(texts, self._as_sentences)
+    return tokenize(texts, self._tok, self._as_sentences)
 
   def _store(self, i, value, bad):
     self.tally.count(i, bad and bad.reason, bad and bad.detail)
@@ -79,8 +74,39 @@ class Corpus:
       self._cached += size
     else:                        # cache full: keep the last few hundred documents only
       self._recent[i] = value
-      if len(self._recent) > 8 * DOCS_PER_CALL:
+      if len(self._recent) > 8 * DOCS_PER_CALL + self.read_ahead:
         del self._recent[next(iter(self._recent))]
+
+
+def tokenize(texts: list, tokenizer, as_sentences: bool) -> list:
+  """Per text (or records.Bad): (token array, or sentence arrays with as_sentences; empty if unusable), the Bad it
+  counts as or None, and its bytes, characters and tokens (0 for a bad record or an empty text). A pure function
+  of the texts and the tokenizer: worker processes (data.workers) and data.prepared shards give what a Corpus
+  makes."""
+  out, good, parts = [None] * len(texts), [], []
+  for k, text in enumerate(texts):
+    bad = text if isinstance(text, records.Bad) else (records.Bad("empty") if not text.strip() else None)
+    if bad:
+      out[k] = ([] if as_sentences else np.zeros(0, np.int32), bad, 0, 0, 0)
+    else:
+      good.append(k)
+      parts.append(nsp.sentences(text) if as_sentences else [text])
+  flat = tokenizer.encode_batch([s for t in parts for s in t]) if as_sentences else tokenizer.encode_batch(
+      [t[0] for t in parts])
+  j = 0
+  for k, t in zip(good, parts):
+    size = (sum(len(x.encode("utf-8")) for x in t), sum(map(len, t)))
+    if as_sentences:
+      segs = [np.asarray(s, np.int32) for s in flat[j:j + len(t)] if s]
+      j += len(t)
+      n = sum(map(len, segs))
+      out[k] = (segs if n >= MIN_TOKENS else [], None if n >= MIN_TOKENS else _too_short(n), *size, n)
+    else:
+      ids = flat[j]
+      j += 1
+      ok = len(ids) >= MIN_TOKENS
+      out[k] = (np.asarray(ids if ok else [], np.int32), None if ok else _too_short(len(ids)), *size, len(ids))
+  return out
 
 
 def _too_short(n: int) -> records.Bad:

@@ -26,10 +26,12 @@ import grain
 import numpy as np
 from absl import logging
 
+from lm_jax import config_lib
 from lm_jax.data import corpus as corpus_lib
 from lm_jax.data import mixture as mixture_lib
+from lm_jax.data import prepared
 from lm_jax.data import rows as rows_lib
-from lm_jax.data import sources
+from lm_jax.data import sources, workers
 from lm_jax.data import windows as windows_lib
 
 WINDOW_ROWS = 1024            # rows shuffled together; a restore rebuilds at most this many
@@ -303,8 +305,12 @@ def _corpus(config, split: str, layout, tokenizer, source: mixture_lib.Source | 
       raise ValueError(f"config.data.mixture mixes pre-training text; objective {config.objective!r} reads its "
                        "examples from config.task: clear the mixture")
     return layout.corpus(split)
+  if config.data.prepared:
+    config_lib.require(source is None, "config.data.prepared reads one prepared source; clear config.data.mixture")
+    return prepared.open_split(config, split, tokenizer, layout.as_sentences)
   docs = sources.documents(config, split, source)
-  return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences)
+  pool = workers.Workers(tokenizer, config.model.family, config.data.workers) if config.data.workers > 1 else None
+  return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences, workers=pool)
 
 
 def _local_rows(config, process_index: int, process_count: int) -> slice:

@@ -10,6 +10,9 @@ that a bad record is counted and reported the same way whatever reads it.
     .tsv                 a header row naming the fields picks their columns; fields named by number ('0', '1') are
                          the columns of a file without header; one field alone is the first column unless a header
                          names it
+    .jsonl.gz / .json.gz / .jsonl.zst, .parquet, a `datasets` folder (data/formats.py): streamed once into a cached
+                         array_record spill (data/spill.py) and read from it by index, as are .txt / .jsonl / .tsv
+                         files over SPILL_BYTES, so memory stays flat on a corpus of any size
 - TFDS: prepared in the array_record format (on first use: data/tfds_prepare.py) and read with `as_data_source`
   (random access, no TensorFlow, decoded lazily). Datasets prepared as tfrecord are read through tf.data into
   memory, which needs TensorFlow. With documents=True, splits of fewer than _FEW_RECORDS records (tiny_shakespeare
@@ -29,15 +32,17 @@ at the start rather than at the end of an epoch.
 Invalid UTF-8 inside a record is replaced by U+FFFD byte by byte and the record kept (a warning names the file;
 `.decode_stats` counts them); a file with NUL bytes, or mostly not UTF-8, in its first block is refused as binary.
 """
+import bisect
 import dataclasses
 import glob
+import itertools
 import json
 import os
 import re
 
 from absl import logging
 
-from lm_jax.data import tfds_prepare
+from lm_jax.data import formats, spill, tfds_prepare
 
 _FEW_RECORDS = 1000
 _FIRST = 3                                     # bad records a report names
@@ -47,6 +52,7 @@ _SLICE = re.compile(r"^([^\[\]]+)(?:\[(-?\d*%?):(-?\d*%?)\])?$")
 _TEXT_SUFFIXES = (".txt", ".raw", ".text")
 _ESCAPED = re.compile("[\udc80-\udcff]")      # what surrogateescape makes of a byte that is not UTF-8
 _SNIFF_BYTES = 8192                            # a file's first block, checked for binary content
+SPILL_BYTES = 1 << 28                          # a plain text file bigger than this is read through a spill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,15 +278,22 @@ def _decode(raw):
 
 
 # ---------------------------------------------------------------------------------------------------------- files
-def _read_files(pattern, split, fields, optional, documents, origin, named_by) -> Listed:
+def _read_files(pattern, split, fields, optional, documents, origin, named_by) -> Records:
   name, spec = split_spec(split)
   pattern = os.path.expanduser(pattern.replace("{split}", name))
   paths = sorted(glob.glob(pattern, recursive=True))
   if not paths:
     raise FileNotFoundError(f"{origin}: no files match {pattern}")
+  read = lambda path: _read_file(path, _names(fields), optional, documents, origin, named_by)  # noqa: E731
+  if any(_spilled(path) for path in paths):
+    files = [spill.cached(path, [fields, optional, documents], lambda path=path: _spill_items(read(path)))
+             for path in paths]
+    if not sum(f.count for f in files):
+      raise ValueError(f"{origin}: no records in {pattern}")
+    return Spilled(files, f"{pattern} ({split})", fields).sliced(spec)
   items, places, replaced = [], [], []
   for path in paths:
-    for line, record, n in _read_file(path, _names(fields), optional, documents, origin, named_by):
+    for line, record, n in read(path):
       items.append(_shape(record, fields))
       places.append((path, line))
       replaced.append(n)
@@ -289,33 +302,99 @@ def _read_files(pattern, split, fields, optional, documents, origin, named_by) -
   return Listed(items, places, replaced, f"{pattern} ({split})").sliced(spec)
 
 
-def _read_file(path, required, optional, documents, origin, named_by) -> list:
-  """(line, record or Bad, bytes replaced) per record of one file."""
-  if not path.endswith(_TEXT_SUFFIXES + (".jsonl", ".tsv")):
-    raise ValueError(f"{origin}: {path}: unsupported type; use .txt, .raw, .jsonl or .tsv")
-  with open(path, "rb") as f:
-    data = f.read()
-  _check_text(path, data[:_SNIFF_BYTES], origin)
-  if path.endswith(_TEXT_SUFFIXES):
+def _spilled(path: str) -> bool:
+  """Compressed and columnar files, and big text files, are read through a spill (records streamed to disk once,
+  then read by index), never into memory."""
+  return (path.endswith(formats.COMPRESSED) or formats.is_columnar(path)
+          or (os.path.isfile(path) and os.path.getsize(path) > SPILL_BYTES))
+
+
+def _spill_items(records):
+  """What a spill holds of each record: JSON [line, bytes replaced, record] or [line, 0, None, reason, detail]."""
+  for line, record, n in records:
+    item = [line, 0, None, record.reason, record.detail] if isinstance(record, Bad) else [line, n, record]
+    yield json.dumps(item).encode(), n
+
+
+class Spilled(Records):
+  """The records of files streamed once into array_record spills (data/spill.py), read by index."""
+
+  lazy = True
+
+  def __init__(self, files: list, path: str, fields, span: range | None = None):
+    self._files, self.path, self._fields = files, path, fields
+    self._starts = list(itertools.accumulate([0] + [f.count for f in files]))
+    self._span = span if span is not None else range(self._starts[-1])
+    self._sources = [None] * len(files)
+
+  def __len__(self):
+    return len(self._span)
+
+  def _locate(self, i):
+    j = self._span[i]
+    k = bisect.bisect_right(self._starts, j) - 1
+    return k, j - self._starts[k]
+
+  def _item(self, i):
+    k, j = self._locate(i)
+    if self._sources[k] is None:
+      self._sources[k] = self._files[k].reader()
+    return k, json.loads(self._sources[k][j])
+
+  def _get(self, i):
+    _, item = self._item(i)
+    return Bad(*item[3:]) if item[2] is None else _shape(item[2], self._fields)
+
+  def where(self, i):
+    k, item = self._item(i)
+    return f"{self._files[k].source}:{item[0]}"
+
+  @property
+  def decode_stats(self) -> dict:
+    return {key: sum(f.decode_stats[key] for f in self._files) for key in ("replaced_documents", "replaced_bytes")}
+
+  def sliced(self, spec) -> "Spilled":
+    return Spilled(self._files, self.path, self._fields, _apply_slice(self._span, spec))
+
+  def __getstate__(self):                # readers are opened again in another process
+    return dict(self.__dict__, _sources=[None] * len(self._files))
+
+
+def _read_file(path, required, optional, documents, origin, named_by):
+  """(line, record or Bad, bytes replaced) per record of one file, streamed."""
+  if formats.is_columnar(path):
+    yield from _column_records(path, required, optional, origin, named_by)
+    return
+  plain = path.removesuffix(".gz").removesuffix(".zst")
+  if not (plain.endswith(_TEXT_SUFFIXES + (".jsonl", ".tsv")) or path.endswith(formats.COMPRESSED)):
+    raise ValueError(f"{origin}: {path}: unsupported type; use .txt, .raw, .jsonl, .tsv, .jsonl.gz, .json.gz, "
+                     ".jsonl.zst, .parquet or a datasets folder")
+  _check_text(path, next(formats.blocks(path), b"")[:_SNIFF_BYTES], origin)
+  if plain.endswith(_TEXT_SUFFIXES):
     if len(required + optional) > 1:     # e.g. a label would be missing from every record
       raise ValueError(f"{origin}: {path}: a text file holds one text per record, not the fields "
                        f"{', '.join(required + optional)}; use .jsonl or .tsv")
-    out = [(line, *_text_record(raw, required[0])) for line, raw in (_documents(data) if documents else _lines(data))]
-  elif path.endswith(".jsonl"):
-    out = [(line, *_json_record(raw, required, optional)) for line, raw in _lines(data)]
+    out = ((line, *_text_record(raw, required[0]))
+           for line, raw in (formats.documents(path) if documents else formats.lines(path)))
+  elif plain.endswith(".tsv"):
+    out = _tsv_records(path, formats.lines(path), required, optional, origin, named_by)
   else:
-    out = _tsv_records(path, _lines(data), required, optional, origin, named_by)
-  _warn_replaced(path, out)
-  return out
+    out = ((line, *_json_record(raw, required, optional)) for line, raw in formats.lines(path))
+  yield from _warn_replaced(path, out)
 
 
-def _lines(data: bytes) -> list:
-  """(line number, bytes) of each non-blank line."""
-  return [(k + 1, line.rstrip(b"\r")) for k, line in enumerate(data.split(b"\n")) if line.strip()]
+def _column_records(path, required, optional, origin, named_by):
+  missing = [name for name in required if name not in formats.columns(path)]
+  if missing:
+    raise ValueError(f"{named_by}={missing[0]!r}: {path} has no such column (its columns: "
+                     f"{', '.join(formats.columns(path)[:12])}) ({origin})")
+  out = ((number, *_tfds_record(row, required, optional)) for number, row in formats.rows(path, required + optional))
+  yield from _warn_replaced(path, out)
 
 
 def _documents(data: bytes) -> list:
-  """(line number of its first line, bytes) of each document: blank or whitespace-only lines separate them."""
+  """(line number of its first line, bytes) of each document of text held in memory (a TFDS record); formats.documents
+  cuts a file the same way as it streams it."""
   out, start, line = [], 0, 1
   for m in [*_BLANK_LINE.finditer(data), None]:
     end = m.start() if m else len(data)
@@ -347,14 +426,17 @@ def _json_record(raw: bytes, required, optional):
   return record, (0 if isinstance(record, Bad) else n)
 
 
-def _tsv_records(path, lines, required, optional, origin, named_by) -> list:
-  names = required + optional
-  first = _decode(lines[0][1])[0] if lines else ""
+def _tsv_records(path, lines, required, optional, origin, named_by):
+  names, lines = required + optional, iter(lines)
+  head = next(lines, None)
+  first = _decode(head[1])[0] if head else ""
   header = first.split("\t") if isinstance(first, str) else []
+  if head and not all(name.isdigit() for name in names) and all(name in header for name in required):
+    head = None                          # the header row is no record
   if all(name.isdigit() for name in names):
     columns = {name: int(name) for name in names}
   elif all(name in header for name in required):
-    columns, lines = {name: header.index(name) for name in names if name in header}, lines[1:]
+    columns = {name: header.index(name) for name in names if name in header}
     for name in optional:
       if name not in header:
         logging.warning("data: %s has no column %r (its header: %s): its records are read without it", path, name,
@@ -364,19 +446,21 @@ def _tsv_records(path, lines, required, optional, origin, named_by) -> list:
   else:
     raise ValueError(f"{named_by}={names!r}: {path} has no header row naming them (its first row: {header[:6]!r}); "
                      f"without a header give the fields as column numbers ('0', '1', ...) ({origin})")
-  out = []
+  return _tsv_rows(itertools.chain([head] if head else [], lines), columns, required)
+
+
+def _tsv_rows(lines, columns, required):
   for line, raw in lines:
     text, n = _decode(raw)
     if isinstance(text, Bad):
-      out.append((line, text, 0))
+      yield line, text, 0
       continue
     cells = text.split("\t")
     short = [name for name in required if columns[name] >= len(cells)]
     if short:
-      out.append((line, Bad("malformed", f"{len(cells)} columns, no {short[0]!r} (column {columns[short[0]]})"), 0))
+      yield line, Bad("malformed", f"{len(cells)} columns, no {short[0]!r} (column {columns[short[0]]})"), 0
       continue
-    out.append((line, {name: cells[c] for name, c in columns.items() if c < len(cells)}, n))
-  return out
+    yield line, {name: cells[c] for name, c in columns.items() if c < len(cells)}, n
 
 
 def _check_text(path: str, head: bytes, origin: str):
@@ -389,9 +473,14 @@ def _check_text(path: str, head: bytes, origin: str):
                      ".txt/.raw/.jsonl/.tsv text")
 
 
-def _warn_replaced(path: str, decoded: list):
-  counts = _replaced_stats([n for _, _, n in decoded])
-  undecodable = sum(1 for _, r, _ in decoded if r == Bad("undecodable"))
+def _warn_replaced(path: str, decoded):
+  """Passes the (line, record, bytes replaced) of one file through, then warns of its invalid UTF-8."""
+  counts, undecodable = dict(replaced_documents=0, replaced_bytes=0), 0
+  for item in decoded:
+    counts["replaced_documents"] += bool(item[2])
+    counts["replaced_bytes"] += item[2]
+    undecodable += item[1] == Bad("undecodable")
+    yield item
   if counts["replaced_documents"] or undecodable:
     logging.warning("data: %s: invalid UTF-8 in %d documents, kept with %d bytes replaced by U+FFFD; %d records "
                     "mostly not UTF-8 skipped as undecodable", path, counts["replaced_documents"],
@@ -446,6 +535,6 @@ def _read_tfds(name, data_dir, split, fields, optional, documents, origin, named
       decoded.append(((place, 1), *_tfds_record(row, required, optional)))
   if not decoded:
     raise ValueError(f"{origin}: no records in {path}")
-  _warn_replaced(where, decoded)
+  decoded = list(_warn_replaced(where, decoded))
   items = [_shape(record, fields) for _, record, _ in decoded]
   return Listed(items, [p for p, _, _ in decoded], [n for _, _, n in decoded], path).sliced(spec)

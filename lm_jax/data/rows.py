@@ -52,6 +52,7 @@ class ShardRows:
   def __init__(self, layout, corpus, order, *, seed: int, shard: int):
     self.layout, self.corpus, self._order = layout, corpus, order
     self._seed, self._shard = seed, shard
+    self._ahead_until = (0, 0)     # (epoch, position) the corpus has tokenized ahead to
     self.epoch_len = len(order)
     self.dropped_tokens = 0
     self.real_tokens = self.row_tokens = 0   # filled vs total row positions, for the padding warning
@@ -75,6 +76,14 @@ class ShardRows:
     self._count(used, rows, lay.width)
     return rows, end
 
+  def _read_ahead(self, epoch: int, pos: int):
+    """With worker processes: let the corpus tokenize the next read_ahead documents at once."""
+    ahead = getattr(self.corpus, "read_ahead", 0)
+    if ahead and (epoch, pos) >= self._ahead_until:
+      stop = min(pos + ahead, self.epoch_len)
+      self.corpus.prefetch([self.doc_id(epoch, p) for p in range(pos, stop)])
+      self._ahead_until = (epoch, stop)
+
   def _count(self, real, rows, width):
     self.real_tokens += real
     self.row_tokens += len(next(iter(rows.values()))) * width
@@ -86,6 +95,7 @@ class ShardRows:
     sep = self.layout.separator
     while total < need + lookahead and pos < self.epoch_len:
       stop = min(pos + corpus_lib.DOCS_PER_CALL, self.epoch_len)
+      self._read_ahead(epoch, pos)
       for p, toks in zip(range(pos, stop), self.corpus.tokens([self.doc_id(epoch, p) for p in range(pos, stop)])):
         if len(toks) and sep is not None:
           toks = np.append(toks, sep)
@@ -134,6 +144,7 @@ class ShardRows:
     while len(out) < n_rows and pos < self.epoch_len:
       if pos >= ready:     # tokenize the next documents together, one batched call
         ready = min(pos + corpus_lib.DOCS_PER_CALL, self.epoch_len)
+        self._read_ahead(epoch, pos)
         self.corpus.tokens([self.doc_id(epoch, p) for p in range(pos, ready)])
       found = self.instances(epoch, pos)
       take = found[off:off + n_rows - len(out)]

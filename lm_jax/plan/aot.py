@@ -11,7 +11,9 @@ that does not fit, and so does this module for any device whose memory the step 
 FLOPs per step are lm_jax.flops' exact matmul count (3x forward). XLA's own count (cost_analysis) is shown only
 where it is right: on TPU, without a scanned layer stack or microbatch loop (a scan's body is counted once) and it
 includes remat's recomputation; the CUDA compiler gives none. Predicted time = our FLOPs / (peak x MFU), peak from
-lm_jax.plan.hardware's table, the MFU stated; communication and input time are not modelled.
+lm_jax.plan.hardware's table, the MFU stated; communication is not modelled. The input line says how many tokens/s
+per host that step needs and how many cores this pipeline takes for it, on the fly and prepared
+(lm_jax.data.input_rate, from bench/data_throughput.py's cached measurement).
 """
 import json
 import re
@@ -21,6 +23,7 @@ import numpy as np
 from flax import linen as nn
 
 from lm_jax import checks, init_from, layout as layout_lib, sharding, step
+from lm_jax.data import input_rate
 from lm_jax.models import layers
 from lm_jax.plan import hardware, memory, topology
 
@@ -124,6 +127,7 @@ def report(lay: layout_lib.Layout, topo: topology.Topology, train: memory.Compil
       "step_seconds_at_peak": flops / peak, "step_seconds": seconds,
       "tokens_per_second": objective.tokens_per_example(config) * config.batch_size / seconds,
       "steps": steps, "days": days, "chip_days": days * n,
+      "input": input_rate.plan(config, objective.tokens_per_example(config) * config.batch_size / seconds, topo.hosts),
   }
 
 
@@ -151,6 +155,7 @@ def format_report(r: dict) -> str:
       f"step {r['step_seconds_at_peak'] * 1e3:.3g} ms at peak ({r['peak_source']}), {r['step_seconds'] * 1e3:.3g} ms "
       f"at MFU {r['mfu']:.0%}: {r['tokens_per_second']:,.0f} tokens/s",
       f"{r['steps']:,} steps: {r['days']:.3g} days, {r['chip_days']:.3g} chip-days (at MFU {r['mfu']:.0%})",
+      input_rate.describe(r["input"]),
   ]
   return "\n".join(lines)
 

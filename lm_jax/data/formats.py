@@ -1,0 +1,157 @@
+"""The file formats real corpora come in, read as streams so that memory stays flat however big the file:
+
+  .jsonl.gz / .json.gz   gzip (C4): one JSON object per line, several gzip members allowed
+  .jsonl.zst             zstandard (the Pile, SlimPajama): one JSON object per line, several frames allowed
+  .parquet               (Hugging Face datasets, FineWeb, Wikipedia) read one row group at a time
+  a `datasets` folder    what datasets.save_to_disk writes: dataset_info.json / state.json beside *.arrow files,
+                         each an Arrow IPC stream read one record batch at a time
+  .jsonl / .txt / ...    plain text, read in blocks
+
+lines(path) gives (line number, bytes) of the non-blank lines of a line format; rows(path, names) gives (row number,
+{name: value}) of a columnar one. A truncated .gz or .zst file is a one-line ValueError naming it. records.py turns
+both into records and counts the bad ones.
+"""
+import glob
+import json
+import os
+import zlib
+
+_BLOCK = 1 << 20                     # bytes read at a time
+_GZIP = (".jsonl.gz", ".json.gz")
+_ZSTD = (".jsonl.zst", ".json.zst")
+_ARROW_DIR_FILES = ("dataset_info.json", "state.json")
+COMPRESSED = _GZIP + _ZSTD
+COLUMNAR = (".parquet",)
+
+
+def is_arrow_dir(path: str) -> bool:
+  """A folder written by datasets' save_to_disk (it holds state.json or dataset_info.json and *.arrow files)."""
+  return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in _ARROW_DIR_FILES)
+
+
+def is_columnar(path: str) -> bool:
+  return path.endswith(COLUMNAR) or is_arrow_dir(path)
+
+
+def blocks(path: str):
+  """The decompressed bytes of a file, block by block."""
+  if path.endswith(_GZIP):
+    yield from _gzip_blocks(path)
+  elif path.endswith(_ZSTD):
+    yield from _zstd_blocks(path)
+  else:
+    with open(path, "rb") as f:
+      while block := f.read(_BLOCK):
+        yield block
+
+
+def lines(path: str):
+  """(line number, bytes without the newline) of each non-blank line, streamed."""
+  for number, line, _ in all_lines(path):
+    if line.strip():
+      yield number, line.rstrip(b"\r")
+
+
+def all_lines(path: str):
+  """(line number, bytes, ended by a newline) of every line, blank ones too; the last is what follows the last
+  newline (maybe b'')."""
+  rest, number = b"", 0
+  for block in blocks(path):
+    parts = (rest + block).split(b"\n")
+    rest = parts.pop()
+    for line in parts:
+      number += 1
+      yield number, line, True
+  yield number + 1, rest, False
+
+
+def documents(path: str):
+  """(line number of its first text, bytes) of each document of a text file, cut exactly as records.py cuts a file
+  read whole: a whitespace-only line after a document's last line separates it from the next."""
+  chunk = []
+  for number, line, ended in all_lines(path):
+    if chunk and ended and not line.strip(b" \t\r"):
+      yield from _document(chunk, b"\n".join(line for _, line in chunk).removesuffix(b"\r"))
+      chunk = []
+    else:
+      chunk.append((number, line))
+  if chunk:
+    yield from _document(chunk, b"\n".join(line for _, line in chunk))
+
+
+def _document(chunk, text):
+  if text.strip():
+    yield chunk[0][0] + text.count(b"\n", 0, len(text) - len(text.lstrip())), text
+
+
+def _gzip_blocks(path):
+  yield from _members(path, lambda: zlib.decompressobj(wbits=31), "gzip file (it ends inside a member)")
+
+
+def _zstd_blocks(path):
+  import zstandard
+  yield from _members(path, lambda: zstandard.ZstdDecompressor().decompressobj(),
+                      "zstandard file (it ends inside a frame)")
+
+
+def _members(path, new, truncated):
+  """Decompressed blocks of concatenated members (gzip) or frames (zstd); a last one cut short is an error."""
+  with open(path, "rb") as raw:
+    d, pending, inside = new(), b"", False
+    while chunk := pending or raw.read(_BLOCK):
+      inside, pending = True, b""
+      yield d.decompress(chunk)
+      if d.eof:
+        d, pending, inside = new(), d.unused_data, False
+    if inside:
+      raise ValueError(f"{path}: truncated {truncated}")
+
+
+def columns(path: str) -> list[str]:
+  """The column names of a .parquet file or a datasets folder."""
+  import pyarrow.parquet as pq
+  if path.endswith(COLUMNAR):
+    return list(pq.ParquetFile(path).schema_arrow.names)
+  return list(_arrow_schema(path).names)
+
+
+def rows(path: str, names: tuple):
+  """(row number, {name: value}) of the columns `names` present in the file, streamed by row group / batch."""
+  present = [n for n in names if n in columns(path)]
+  number = 0
+  for batch in _batches(path, present):
+    for row in batch.to_pylist():
+      number += 1
+      yield number, row
+
+
+def _batches(path, present):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  if path.endswith(COLUMNAR):
+    yield from pq.ParquetFile(path).iter_batches(batch_size=1024, columns=present)
+    return
+  for file in arrow_files(path):
+    with pa.memory_map(file) as source:
+      for batch in pa.ipc.open_stream(source):
+        yield batch.select(present)
+
+
+def arrow_files(path: str) -> list[str]:
+  """A datasets folder's *.arrow files in order (state.json's _data_files when it lists them)."""
+  state = os.path.join(path, "state.json")
+  if os.path.exists(state):
+    with open(state) as f:
+      listed = [os.path.join(path, d["filename"]) for d in json.load(f).get("_data_files", [])]
+    if listed:
+      return listed
+  found = sorted(glob.glob(os.path.join(path, "*.arrow")))
+  if not found:
+    raise ValueError(f"{path}: a datasets folder without *.arrow files")
+  return found
+
+
+def _arrow_schema(path):
+  import pyarrow as pa
+  with pa.memory_map(arrow_files(path)[0]) as source:
+    return pa.ipc.open_stream(source).schema

@@ -1,0 +1,66 @@
+"""Spills: the records of a file streamed once into an array_record file in a cache folder, so that a corpus that
+does not fit in memory (a 10 GB .jsonl.zst, a folder of parquet files) is still read by index, as the pipeline's
+shuffle needs. A spill is named by the file's path, size and modification time and by what was read of it, so a
+changed file or another field is spilled again; it is written to a temporary name and renamed into place when
+complete, so an interrupted spill is never read. The folder is $LM_JAX_SPILL_DIR, else ~/.cache/lm_jax/spill.
+"""
+import dataclasses
+import hashlib
+import json
+import os
+
+_VERSION = 1                 # bump when what a spill holds changes
+
+
+@dataclasses.dataclass(frozen=True)
+class SpillFile:
+  """One file's spill: `count` records of `source`, and the invalid UTF-8 replaced in them."""
+  path: str
+  source: str
+  count: int
+  decode_stats: dict
+
+  def reader(self):
+    from array_record.python import array_record_data_source
+    return array_record_data_source.ArrayRecordDataSource([self.path])
+
+
+def folder() -> str:
+  return os.environ.get("LM_JAX_SPILL_DIR") or os.path.expanduser("~/.cache/lm_jax/spill")
+
+
+def cached(source: str, what, items) -> SpillFile:
+  """The spill of `source` (read as `what`, JSON-serialisable), written from items() -> (bytes, bytes replaced) the
+  first time."""
+  stat = os.stat(source)
+  key = json.dumps([_VERSION, os.path.abspath(source), stat.st_size, stat.st_mtime_ns, what])
+  base = os.path.join(folder(), hashlib.sha256(key.encode()).hexdigest()[:24])
+  meta = base + ".json"
+  if not os.path.exists(meta):
+    _write(base, source, items())
+  with open(meta) as f:
+    found = json.load(f)
+  return SpillFile(base + ".array_record", source, found["count"], found["decode_stats"])
+
+
+def _write(base, source, items):
+  from array_record.python import array_record_module
+  os.makedirs(os.path.dirname(base), exist_ok=True)
+  tmp = f"{base}.{os.getpid()}.tmp"
+  writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
+  count, stats = 0, dict(replaced_documents=0, replaced_bytes=0)
+  try:
+    for payload, replaced in items:
+      writer.write(payload)
+      count += 1
+      stats["replaced_documents"] += bool(replaced)
+      stats["replaced_bytes"] += replaced
+  except BaseException:
+    writer.close()
+    os.remove(tmp)
+    raise
+  writer.close()
+  os.replace(tmp, base + ".array_record")
+  with open(f"{base}.{os.getpid()}.json.tmp", "w") as f:
+    json.dump(dict(count=count, decode_stats=stats, source=source), f)
+  os.replace(f"{base}.{os.getpid()}.json.tmp", base + ".json")

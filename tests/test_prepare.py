@@ -1,0 +1,144 @@
+"""Prepared input (lm_jax/data/prepare.py, prepared.py): shards are byte-identical for 1 and 2 preparing processes,
+training on them gives the on-the-fly batches (same seed), resumes exactly and gives the same global stream on 1
+and 2 hosts; a prepared folder that does not match the config is one line."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import same_batches, take
+from lm_jax import config_lib, objectives
+from lm_jax.data import pipeline, prepare, tokenizer
+
+CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
+
+
+@pytest.fixture(scope="module")
+def corpus(shared_data, tmp_path_factory):
+  """~1000 Tiny Shakespeare documents as train / valid .jsonl, with a bad line and an empty text."""
+  d = tmp_path_factory.mktemp("corpus")
+  text = (shared_data / "tiny_shakespeare" / "input.txt").read_text()[:120_000]
+  docs = [t for t in text.split("\n\n") if t.strip()]
+  lines = [json.dumps({"text": t}) for t in docs]
+  lines[5], lines[9] = "not json", json.dumps({"text": ""})
+  (d / "train.jsonl").write_text("\n".join(lines[:-60]) + "\n")
+  (d / "valid.jsonl").write_text("\n".join(lines[-60:]) + "\n")
+  return d
+
+
+def _config(objective, corpus, **data):
+  c = config_lib.load(CONFIGS[objective])
+  c.model.vocab_size = 320 + (100 if objective == "span_corruption" else 0)
+  c.data.files, c.data.train_split, c.data.eval_split = str(corpus / "{split}.jsonl"), "train", "valid"
+  c.data.tokenizer_type, c.data.seq_len, c.data.max_predictions_per_seq = "bpe", 64, 10
+  c.data.nsp = objective == "mlm"
+  c.batch_size = 8
+  for k, v in data.items():
+    setattr(c.data, k, v)
+  return c
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+  """Per objective: (config, tokenizer, prepared folder); MLM + NSP also prepared by 2 processes."""
+  out = {}
+  for objective in CONFIGS:
+    work = tmp_path_factory.mktemp(objective)
+    c = _config(objective, corpus)
+    manifest = prepare.prepare(c, objectives.get(objective), str(work / "p1"), workdir=str(work), docs_per_shard=300)
+    assert len(manifest["splits"]["train"]["shards"]) >= 3
+    out[objective] = (c, tokenizer.load_or_train(c, str(work)), work)
+  return out
+
+
+def _it(c, tok, **kw):
+  return pipeline.make_train_iterator(c, tok, objectives.get(c.objective), **kw)
+
+
+def test_shards_are_the_same_bytes_for_1_and_2_processes(prepared):
+  c, _, work = prepared["mlm"]
+  prepare.prepare(c, objectives.get("mlm"), str(work / "p2"), workdir=str(work), processes=2, docs_per_shard=300)
+  one, two = sorted((work / "p1").rglob("*")), sorted((work / "p2").rglob("*"))
+  assert [p.relative_to(work / "p1") for p in one] == [p.relative_to(work / "p2") for p in two]
+  for a, b in zip(one, two):
+    assert a.is_dir() or a.read_bytes() == b.read_bytes(), a
+
+
+@pytest.mark.parametrize("objective", list(CONFIGS))
+def test_prepared_training_is_the_on_the_fly_training_batch_for_batch(prepared, objective):
+  c, tok, work = prepared[objective]
+  fly = _it(c, tok, window_rows=18, prefetch=0)
+  reference = take(fly, 10)
+  p = _config(objective, work.parent, prepared=str(work / "p1"))
+  p.data.files = c.data.files
+  it = _it(p, tok, window_rows=18, prefetch=0)
+  same_batches(take(it, 10), reference)
+  assert it.stats == fly.stats and it.stats["documents"] > 0
+  ev, ev_p = (pipeline.make_eval_iterator(x, tok, objectives.get(objective)) for x in (c, p))
+  same_batches(list(ev_p), list(ev))
+  assert ev_p.text_per_token == ev.text_per_token
+
+
+@pytest.mark.parametrize("objective", ["mlm", "clm"])
+def test_prepared_resumes_exactly_and_is_the_same_stream_on_1_and_2_hosts(prepared, objective):
+  c, tok, work = prepared[objective]
+  c = _config(objective, work.parent, prepared=str(work / "p1"), shards=2)
+  c.data.files = prepared[objective][0].data.files
+  one = take(_it(c, tok, window_rows=18, prefetch=0), 8)
+  hosts = [_it(c, tok, process_index=h, process_count=2, window_rows=18, prefetch=0) for h in (0, 1)]
+  parts = [take(it, 4) for it in hosts]
+  same_batches([{k: np.concatenate([p[b][k] for p in parts]) for k in one[b]} for b in range(4)], one[:4])
+  merged = {"batch_index": 4, "shards": {}}
+  for it in hosts:
+    merged["shards"].update(it.get_state()["shards"])
+  resumed = _it(c, tok, window_rows=18, prefetch=0)
+  resumed.set_state(json.loads(json.dumps(merged)))
+  same_batches(take(resumed, 4), one[4:])
+
+
+def test_prepared_bad_records_are_told_as_on_the_fly(prepared):
+  c, tok, work = prepared["mlm"]
+  p = _config("mlm", work.parent, prepared=str(work / "p1"))
+  p.data.files = c.data.files
+  layout = objectives.get("mlm").rows(c, tok)
+  fly, ready = pipeline._corpus(c, "train", layout, tok), pipeline._corpus(p, "train", layout, tok)
+  for corpus in (fly, ready):
+    for start in range(0, len(corpus), 100):
+      corpus.tokens(list(range(start, min(start + 100, len(corpus)))))
+  assert ready.tally.report() == fly.tally.report() and ":6: not JSON" in ready.tally.report()
+  assert ready.stats == fly.stats and ready.stats["malformed"] == ready.stats["empty"] == 1
+  assert (ready.bytes, ready.chars, ready.tokens_count) == (fly.bytes, fly.chars, fly.tokens_count)
+
+
+def test_a_mismatched_prepared_folder_is_one_line(prepared, corpus, tmp_path):
+  c, tok, work = prepared["mlm"]
+  p = _config("mlm", corpus, prepared=str(work / "p1"), seq_len=128)
+  with pytest.raises(config_lib.ConfigError, match=r"^config.data.prepared=.* was prepared for seq_len=64, this "
+                     r"config has 128: prepare it again for this config$"):
+    _it(p, tok, prefetch=0)
+  p = _config("mlm", corpus, prepared=str(work / "p1"), mlm_probability=0.2)
+  with pytest.raises(config_lib.ConfigError, match=r"prepared for masking="):
+    _it(p, tok, prefetch=0)
+  p = _config("mlm", corpus, prepared=str(tmp_path))
+  with pytest.raises(config_lib.ConfigError, match=r"no manifest.json there"):
+    _it(p, tok, prefetch=0)
+  other = _config("clm", corpus, prepared=str(work / "p1"))
+  with pytest.raises(config_lib.ConfigError, match=r"prepared for tokenizer="):
+    _it(other, prepared["clm"][1], prefetch=0)
+
+
+def test_the_command_line(prepared, tmp_path):
+  c, _, work = prepared["clm"]
+  cmd = [sys.executable, "-m", "lm_jax.prepare", f"--config={CONFIGS['clm']}", f"--out={tmp_path / 'p'}",
+         f"--workdir={work}", f"--config.data.files={c.data.files}", "--config.data.train_split=train",
+         "--config.data.eval_split=valid", "--config.model.vocab_size=320", "--config.data.tokenizer_type=bpe",
+         "--config.data.seq_len=64", "--docs_per_shard=300"]
+  done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  assert done.returncode == 0, done.stderr
+  assert "train: " in done.stdout and (tmp_path / "p" / "manifest.json").exists()
+  for a in sorted((work / "p1").rglob("*.array_record")):
+    assert a.read_bytes() == (tmp_path / "p" / a.relative_to(work / "p1")).read_bytes()
+  bad = subprocess.run(cmd + ["--config.data.prepared=/elsewhere"], capture_output=True, text=True, check=False)
+  assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "prepare reads the corpus" in bad.stderr
