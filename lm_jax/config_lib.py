@@ -75,6 +75,20 @@ def override(config: ml_collections.ConfigDict, overrides: Mapping | Iterable[st
   return config
 
 
+def replaced(config: ml_collections.ConfigDict, fields: Mapping) -> ml_collections.ConfigDict:
+  """A copy of `config` with {"a.b": value} set as given: the library's own derived configs (a pre-trained model's
+  architecture, PPO's reward model), where `override`'s checks against the user's fields do not apply."""
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    for path, value in fields.items():
+      *parents, leaf = path.split(".")
+      node = c
+      for key in parents:
+        node = node[key]
+      node[leaf] = value
+  return c
+
+
 def _split(item: str) -> tuple[str, str]:
   field, sep, value = item.removeprefix("--config.").partition("=")
   if not sep or not field:

@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from lm_jax import checkpoint, layout as layout_lib, models, objectives, params as params_lib
+from lm_jax import checkpoint, config_lib, layout as layout_lib, models, objectives, params as params_lib
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import export
 from lm_jax.models import layers, relayout
@@ -117,11 +117,8 @@ def resolve(config):
   added = objectives.get(config.objective).added_tokens
   if added and not model.get("added_tokens"):   # a run that has them already (e.g. WORKDIR/best) keeps its vocab
     merged.update(vocab_size=model.vocab_size + added, added_tokens=added)
-  config = config.copy_and_resolve_references()
-  with config.unlocked():
-    config.model = ml_collections.ConfigDict(merged)
-    config.data.tokenizer = config.data.tokenizer or tokenizer
-  return config
+  return config_lib.replaced(config, {"model": ml_collections.ConfigDict(merged),
+                                      "data.tokenizer": config.data.tokenizer or tokenizer})
 
 
 def _check_tokenizer(own: str, pretrained: str, config):
@@ -238,10 +235,7 @@ def eval_source(config, workdir: str) -> tuple[ml_collections.ConfigDict, str]:
                             f"has no {heads}-label head of its own (num_labels={model.get('num_labels', 0)})")
   model.update({k: config.model[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers")})
   models.validate(model)
-  config = config.copy_and_resolve_references()
-  with config.unlocked():
-    config.model = model
-    config.data.tokenizer = config.data.tokenizer or tokenizer
+  config = config_lib.replaced(config, {"model": model, "data.tokenizer": config.data.tokenizer or tokenizer})
   return config, config.init_from
 
 

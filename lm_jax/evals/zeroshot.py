@@ -147,9 +147,7 @@ def read(config, heuristic: str, split: str) -> Split:
   """The labelled records of `split` for the heuristic. Labels are config.task.label_names as written in the data,
   or class numbers (e.g. SST-2's 0 / 1 with label_names = the label words)."""
   fields, classes = _fields(config, heuristic)
-  c = config.copy_and_resolve_references()
-  with c.unlocked():
-    c.task.text_fields, c.model.num_labels = fields, classes
+  c = config_lib.replaced(config, {"task.text_fields": fields, "model.num_labels": classes})
 
   def usable(label_names):
     c.task.label_names = label_names
