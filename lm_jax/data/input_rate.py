@@ -28,8 +28,11 @@ def measured(config) -> dict | None:
   """{'on_the_fly': tokens/s of one process, 'prepared': ..., 'seq_len', 'load', 'source'} of the cached row
   closest to config (same objective and NSP, nearest seq_len), or None when nothing was measured for it."""
   rows, path = _rows()
-  same = [r for r in rows if r["objective"] == config.objective and r["nsp"] == bool(config.data.get("nsp"))
-          and r["workers"] == 1]
+  by_run = {}   # the measurements of one process, by (objective, NSP)
+  for r in rows:
+    if r["workers"] == 1:
+      by_run.setdefault((r["objective"], r["nsp"]), []).append(r)
+  same = by_run.get((config.objective, bool(config.data.get("nsp"))), [])
   if not same:
     return None
   seq_len = min({r["seq_len"] for r in same}, key=lambda s: abs(s - config.data.seq_len))

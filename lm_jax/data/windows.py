@@ -40,12 +40,6 @@ def _joined(docs: records.Records) -> str:
   return "\n\n".join(doc for doc in docs if not isinstance(doc, records.Bad))
 
 
-def _check(config):
-  if config.objective != "clm":
-    raise ValueError(f"config.data.windows trains a causal LM: config.objective must be 'clm', got "
-                     f"{config.objective!r}")
-
-
 def _tokens(config, tokenizer, which: int, what: str) -> tuple[np.ndarray, str]:
   text = split_texts(config)[which]
   ids = np.asarray(tokenizer.encode(text), np.int32)
@@ -93,7 +87,6 @@ class TrainWindows:
 
 
 def train_iterator(config, tokenizer, local: slice) -> TrainWindows:
-  _check(config)
   ids, _ = _tokens(config, tokenizer, 0, "train")
   return TrainWindows(ids, seq_len=config.data.seq_len, batch_size=config.batch_size, seed=config.seed, local=local)
 
@@ -101,7 +94,6 @@ def train_iterator(config, tokenizer, local: slice) -> TrainWindows:
 def eval_batches(config, tokenizer, local: slice) -> tuple[list, dict]:
   """(this host's slices of the eval batches, text per token {'bytes', 'chars'}): every target of the eval text
   once; data.eval_batches > 0 keeps only that many batches from the start."""
-  _check(config)
   ids, text = _tokens(config, tokenizer, 1, "eval")
   width, batch = config.data.seq_len, config.batch_size
   targets = len(ids) - 1

@@ -54,6 +54,8 @@ def check(config):
   require(config.get("z_loss", 0.0) >= 0, f"config.z_loss must be >= 0, got {config.get('z_loss')}")
   ls = config.get("label_smoothing", 0.0)
   require(0 <= ls < 1, f"config.label_smoothing must be in [0, 1), got {ls}")
+  require(not d.get("windows", False) or objective is clm.OBJECTIVE,   # data/windows.py emits clm's batch
+          f"config.data.windows trains a causal LM: config.objective must be 'clm', got {config.objective!r}")
   objective.check(config)
 
 
