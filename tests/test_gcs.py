@@ -1,0 +1,56 @@
+"""gs:// workdirs and exports against a real GCS API server (fake-gcs-server, the gcs_server fixture): a run trains,
+checkpoints, resumes and evaluates in a bucket with the records of a local run and a quiet stderr; one run per
+workdir; metrics.jsonl in appended segments; exports written whole or not at all; one-line errors."""
+import pathlib
+
+import pytest
+
+from conftest import cli, flags, records
+from lm_jax.obs import metrics_log
+
+# tensorstore (orbax's checkpoints) logs this one INFO line per process when told the emulator needs no credentials
+TENSORSTORE_LINE = "google_auth_provider.cc:136] Using GOOGLE_AUTH_TOKEN_FOR_TESTING"
+
+
+def quiet(stderr: str) -> list[str]:
+  """stderr's lines other than tensorstore's one: what a storage library printed beyond lm_jax's own lines."""
+  return [line for line in stderr.splitlines() if TENSORSTORE_LINE not in line]
+
+
+def same_records(a, b):
+  assert len(a) == len(b) > 0
+  for x, y in zip(a, b):
+    assert {k: v for k, v in x.items() if k not in metrics_log.WALL_CLOCK} == \
+           {k: v for k, v in y.items() if k not in metrics_log.WALL_CLOCK}
+
+
+@pytest.fixture(scope="module")
+def gs_run(gcs_server, shared_data, tmp_path_factory):
+  """4 steps to gs://testbucket/run, resumed to 6, then evaluated; and the same 6 steps uninterrupted on a local
+  disk."""
+  args = flags("clm", shared_data, checkpoint_every=2, eval_every=2, log_every=2)
+  workdir = "gs://testbucket/run"
+  first = cli(*args, "--config.total_steps=4", f"--workdir={workdir}", env=gcs_server["env"])
+  resumed = cli(*args, "--config.total_steps=6", f"--workdir={workdir}", env=gcs_server["env"])
+  evaluated = cli(*args, "--config.total_steps=6", "--mode=eval", f"--workdir={workdir}", env=gcs_server["env"])
+  local = tmp_path_factory.mktemp("local") / "run"
+  reference = cli(*args, "--config.total_steps=6", f"--workdir={local}")
+  for p in (first, resumed, evaluated, reference):
+    assert p.returncode == 0, p.stderr[-3000:]
+  return dict(args=args, workdir=workdir, local=local, first=first, resumed=resumed, evaluated=evaluated)
+
+
+def test_train_resume_eval_in_a_bucket(gs_run):
+  """The resumed gs:// run has exactly the records of the uninterrupted local one; eval reads its checkpoint."""
+  assert "resumed step 4 from gs://testbucket/run/checkpoints" in gs_run["resumed"].stdout
+  same_records(records(gs_run["workdir"]), records(str(gs_run["local"])))
+  evals = records(gs_run["workdir"], "eval")   # the training's, then --mode=eval's own record
+  same_records(evals[:-1], records(str(gs_run["local"]), "eval"))
+  assert evals[-1]["step"] == 6 and "step 6/6 | eval_accuracy" in gs_run["evaluated"].stdout
+
+
+def test_storage_libraries_are_quiet(gs_run):
+  """No credential warnings, no gcsfs tracebacks: stderr holds at most tensorstore's one line."""
+  for p in (gs_run["first"], gs_run["resumed"], gs_run["evaluated"]):
+    assert quiet(p.stderr) == [], p.stderr[-3000:]
+    assert len(p.stderr.splitlines()) <= 1
