@@ -1,11 +1,16 @@
 """gs:// workdirs and exports against a real GCS API server (fake-gcs-server, the gcs_server fixture): a run trains,
 checkpoints, resumes and evaluates in a bucket with the records of a local run and a quiet stderr; one run per
 workdir; metrics.jsonl in appended segments; exports written whole or not at all; one-line errors."""
-import pathlib
+import json
+import os
+import socket
+import subprocess
+import time
 
 import pytest
 
 from conftest import cli, flags, records
+from lm_jax import storage
 from lm_jax.obs import metrics_log
 
 # tensorstore (orbax's checkpoints) logs this one INFO line per process when told the emulator needs no credentials
@@ -54,3 +59,45 @@ def test_storage_libraries_are_quiet(gs_run):
   for p in (gs_run["first"], gs_run["resumed"], gs_run["evaluated"]):
     assert quiet(p.stderr) == [], p.stderr[-3000:]
     assert len(p.stderr.splitlines()) <= 1
+
+
+def test_second_run_on_a_busy_workdir_is_refused(gcs_server, shared_data):
+  """The same one line as on a local disk while the first run holds gs://.../run.lock."""
+  from lm_jax import workdir_lock
+  with workdir_lock.hold("gs://testbucket/busy"):
+    p = cli(*flags("clm", shared_data), "--config.total_steps=2", "--workdir=gs://testbucket/busy",
+            env=gcs_server["env"])
+  assert p.returncode == 1
+  [line] = quiet(p.stderr)
+  assert line.startswith(f"error: gs://testbucket/busy is in use by the run of pid {os.getpid()} on host "
+                         f"{socket.gethostname()} (started ")
+  assert line.endswith("; wait for it, stop it, or use another --workdir")
+  assert not storage.path("gs://testbucket/busy/run.lock").exists()   # released at the end of the block
+
+
+def test_lock_is_renewed_and_a_stale_one_replaced(gcs_server, monkeypatch):
+  """A renewed lock keeps a second holder out past STALE_S; an unrenewed one is replaced; a dead pid of this host
+  frees it at once."""
+  from lm_jax import workdir_lock
+  monkeypatch.setattr(workdir_lock, "RENEW_S", 0.2)
+  monkeypatch.setattr(workdir_lock, "STALE_S", 1.0)
+  with workdir_lock.hold("gs://testbucket/renewed"):
+    time.sleep(1.5)
+    with pytest.raises(workdir_lock.WorkdirInUse, match="in use by the run of pid"):
+      workdir_lock.hold("gs://testbucket/renewed").__enter__()
+  blob = storage.gcs_blob("gs://testbucket/stale/run.lock")
+  blob.upload_from_string(json.dumps({"host": "elsewhere", "pid": 1, "started": "then"}))
+  time.sleep(1.2)
+  with workdir_lock.hold("gs://testbucket/stale"):
+    assert json.loads(blob.download_as_text())["pid"] == os.getpid()
+  monkeypatch.setattr(workdir_lock, "STALE_S", 300.0)
+  blob = storage.gcs_blob("gs://testbucket/killed/run.lock")
+  blob.upload_from_string(json.dumps({"host": socket.gethostname(), "pid": _exited_pid(), "started": "then"}))
+  with workdir_lock.hold("gs://testbucket/killed"):
+    assert json.loads(blob.download_as_text())["pid"] == os.getpid()
+
+
+def _exited_pid() -> int:
+  p = subprocess.Popen(["true"])
+  p.wait()
+  return p.pid
