@@ -118,3 +118,40 @@ def local_copy(url: str):
     yield tmp
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fs(url: str):
+  import fsspec
+  if str(url).startswith("gs://"):
+    path(url)   # gcsfs installed, or one line
+  return fsspec.core.url_to_fs(str(url))[0]
+
+
+def list_files(url: str) -> list[str]:
+  """URLs of the files directly under the prefix `url`, read fresh from the server (no listing cache)."""
+  fs = _fs(url)
+  fs.invalidate_cache(str(url))
+  scheme = str(url).split("://", 1)[0]
+  try:
+    entries = fs.ls(str(url), detail=True)
+  except FileNotFoundError:
+    return []
+  return sorted(f"{scheme}://{e['name']}" for e in entries if e["type"] == "file")
+
+
+def read_many(urls: list[str]) -> dict[str, bytes]:
+  """The bytes of many remote files, fetched concurrently (gcsfs: one request each, in parallel)."""
+  if not urls:
+    return {}
+  fs = _fs(urls[0])
+  scheme = str(urls[0]).split("://", 1)[0]
+  return {u if "://" in u else f"{scheme}://{u}": v for u, v in fs.cat(list(urls)).items()}
+
+
+def remove(urls: list[str]):
+  """Deletes remote files (missing ones are not an error)."""
+  if urls:
+    try:
+      _fs(urls[0]).rm(list(urls))
+    except FileNotFoundError:
+      pass

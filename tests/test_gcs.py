@@ -101,3 +101,24 @@ def _exited_pid() -> int:
   p = subprocess.Popen(["true"])
   p.wait()
   return p.pid
+
+
+def test_metrics_are_appended_segments_and_cut_back_on_resume(gcs_server, tmp_path):
+  """Each write uploads one object holding only its record; a resume cuts back exactly as a local file does, and
+  leaves one base segment."""
+  def run(workdir, resume_step, steps):
+    log = metrics_log.MetricsLog(workdir, resume_step, tensorboard=False)
+    for step in steps:
+      log.write({"step": step, "loss": 1.0 / step})
+    log.close()
+
+  for workdir in ("gs://testbucket/metrics", str(tmp_path)):
+    run(workdir, 0, range(1, 6))
+    run(workdir, 3, range(4, 8))   # killed after step 5, resumed from a step-3 checkpoint
+  folder = "gs://testbucket/metrics/metrics.jsonl"
+  assert metrics_log.read(folder) == metrics_log.read(tmp_path / "metrics.jsonl")
+  assert [r["step"] for r in metrics_log.read(folder)] == [1, 2, 3, 4, 5, 6, 7]
+  names = [url.rsplit("/", 1)[1] for url in storage.list_files(folder)]
+  assert names == ["00000005.base.jsonl", "00000006.jsonl", "00000007.jsonl", "00000008.jsonl", "00000009.jsonl"]
+  texts = storage.read_many(storage.list_files(folder))
+  assert [len(t.splitlines()) for t in texts.values()] == [3, 1, 1, 1, 1]
