@@ -8,6 +8,7 @@ operation; gcsfs logs each failed request with a traceback before raising it, an
 in one line naming the path. With STORAGE_EMULATOR_HOST (a local GCS server, such as fake-gcs-server in the tests)
 tensorstore is pointed at the same server and told that no credentials are needed.
 """
+import atexit
 import contextlib
 import logging
 import os
@@ -57,7 +58,6 @@ def bucket_and_key(url: str) -> tuple[str, str]:
 
 def gcs_blob(url: str):
   """google-cloud-storage Blob of a gs:// URL (anonymous against STORAGE_EMULATOR_HOST)."""
-  from google.cloud import storage
   bucket, key = bucket_and_key(url)
   return _client().bucket(bucket).blob(key)
 
@@ -86,38 +86,54 @@ def check_bucket(url: str):
     raise StorageError(f"bucket gs://{bucket} of {url} does not exist (create it, or fix the path)")
 
 
-def upload_dir(local: str, url: str, last: str | None = None):
-  """Uploads every file under `local` to the prefix `url`; `last` (a relative name) is uploaded after all the
-  others, so a reader that waits for it sees the rest whole."""
+def find(url: str) -> list[str]:
+  """URLs of every file under the prefix `url`, read fresh from the server."""
+  fs = _fs(url)
+  fs.invalidate_cache()
+  scheme = str(url).split("://", 1)[0]
+  return sorted(f"{scheme}://{p}" for p in fs.find(str(url).rstrip("/") + "/"))
+
+
+def upload_dir(local: str, url: str, last: str):
+  """Uploads the files under `local` to the prefix `url` (replacing what is there) so that it is whole once `last`
+  (a relative name) exists: an old `last` is deleted first and the new one uploaded after every other file, and an
+  error part way removes what was uploaded."""
   names = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
-  if last in names:
-    names.remove(last)
-    names.append(last)
-  root = path(url)
-  for name in names:
-    target = root / name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(open(os.path.join(local, name), "rb").read())
-
-
-@contextlib.contextmanager
-def local_copy(url: str):
-  """A local directory holding the files under `url` for the block (the path itself when local)."""
-  if not is_remote(url):
-    yield str(url)
-    return
-  root = path(url)
-  tmp = tempfile.mkdtemp(prefix="lm_jax-download-")
+  names.sort(key=lambda n: n == last)   # `last` last
+  root, fs = str(url).rstrip("/"), _fs(url)
+  old = find(root)
+  remove([u for u in old if u == f"{root}/{last}"])
+  done = []
   try:
-    for f in root.rglob("*"):
-      if f.is_file():
-        dest = os.path.join(tmp, str(f.relative_to(root)))
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        with open(dest, "wb") as out:
-          out.write(f.read_bytes())
-    yield tmp
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+    for name in names:
+      fs.put_file(os.path.join(local, name), f"{root}/{name}")
+      done.append(f"{root}/{name}")
+  except BaseException:
+    with contextlib.suppress(Exception):
+      remove(done)
+    raise
+  remove([u for u in old if u not in done])
+
+
+_DOWNLOADS: dict[str, str] = {}
+
+
+def local_dir(url: str) -> str:
+  """A local copy of the files under `url`, made once per process (the path itself when local): for readers that
+  need files on disk (safetensors, tokenizers)."""
+  if not is_remote(url):
+    return str(url)
+  url = str(url).rstrip("/")
+  if url not in _DOWNLOADS:
+    tmp = tempfile.mkdtemp(prefix="lm_jax-download-")
+    atexit.register(shutil.rmtree, tmp, True)
+    fs = _fs(url)
+    for f in find(url):
+      dest = os.path.join(tmp, f[len(url) + 1:])
+      os.makedirs(os.path.dirname(dest), exist_ok=True)
+      fs.get_file(f, dest)
+    _DOWNLOADS[url] = tmp
+  return _DOWNLOADS[url]
 
 
 def _fs(url: str):

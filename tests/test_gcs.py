@@ -3,10 +3,13 @@ checkpoints, resumes and evaluates in a bucket with the records of a local run a
 workdir; metrics.jsonl in appended segments; exports written whole or not at all; one-line errors."""
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from conftest import cli, flags, records
@@ -122,3 +125,45 @@ def test_metrics_are_appended_segments_and_cut_back_on_resume(gcs_server, tmp_pa
   assert names == ["00000005.base.jsonl", "00000006.jsonl", "00000007.jsonl", "00000008.jsonl", "00000009.jsonl"]
   texts = storage.read_many(storage.list_files(folder))
   assert [len(t.splitlines()) for t in texts.values()] == [3, 1, 1, 1, 1]
+
+
+def test_export_to_a_bucket_then_load_hf_and_init_from_it(gs_run, gcs_server, tmp_path):
+  """--mode=export writes a bucket's export that load_hf reads with the weights of the same run's local export;
+  a second export there is refused; a fine-tune starts from it."""
+  from lm_jax.hf import export
+  target = "gs://testbucket/export"
+  p = cli(*gs_run["args"], "--mode=export", f"--workdir={gs_run['workdir']}", f"--export_dir={target}",
+          env=gcs_server["env"])
+  assert p.returncode == 0 and quiet(p.stderr) == [], p.stderr[-3000:]
+  assert {"config.json", "model.safetensors"} <= {u.rsplit("/", 1)[1] for u in storage.find(target)}
+  local = cli(*gs_run["args"], "--mode=export", f"--workdir={gs_run['local']}", f"--export_dir={tmp_path / 'ex'}")
+  assert local.returncode == 0, local.stderr[-3000:]
+  (cfg, params), (local_cfg, local_params) = export.load_hf(target), export.load_hf(str(tmp_path / "ex"))
+  assert cfg == local_cfg
+  jax.tree.map(np.testing.assert_array_equal, params, local_params)
+  with pytest.raises(FileExistsError, match=f"^export directory {target} is not empty; pass --overwrite"):
+    export.check_target(target)
+  ft = cli(*gs_run["args"], "--config.total_steps=2", f"--config.init_from={target}", f"--workdir={tmp_path / 'ft'}",
+           env=gcs_server["env"])
+  assert ft.returncode == 0 and quiet(ft.stderr) == [], ft.stderr[-3000:]
+  assert records(str(tmp_path / "ft"))[-1]["step"] == 2
+
+
+def test_a_failed_upload_leaves_no_export(gcs_server, monkeypatch, tmp_path):
+  """An upload that fails part way removes what it wrote: the target holds no file (no config.json, no export)."""
+  from lm_jax.hf import export
+  fs = storage._fs("gs://testbucket")
+  put, calls = fs.put_file, []
+
+  def failing_put(*args, **kwargs):
+    calls.append(args)
+    if len(calls) == 2:
+      raise OSError("connection reset")
+    return put(*args, **kwargs)
+
+  monkeypatch.setattr(fs, "put_file", failing_put)
+  with pytest.raises(OSError, match="connection reset"):
+    with export.writing("gs://testbucket/partial") as out:
+      for name in ("a.bin", "model.safetensors", "config.json"):
+        pathlib.Path(out, name).write_text(name)
+  assert len(calls) == 2 and storage.find("gs://testbucket/partial") == []
