@@ -102,12 +102,17 @@ def _in_use(workdir: str, holder: str) -> WorkdirInUse:
   return WorkdirInUse(f"{workdir} is in use by {_describe(holder)}; wait for it, stop it, or use another --workdir")
 
 
+def _retry():
+  from google.cloud.storage import retry
+  return retry.DEFAULT_RETRY
+
+
 class _GcsLock:
   """WORKDIR/run.lock on GCS, held from construction to close() (see the module docstring)."""
 
   def __init__(self, url: str):
     from google.api_core import exceptions
-    self.url, self.blob, self._stop = url, storage.gcs_blob(url), threading.Event()
+    self.url, self.blob, self._stop, self._warned = url, storage.gcs_blob(url), threading.Event(), False
     self._precondition = exceptions.PreconditionFailed
     self.text = text = _holder()
     try:
@@ -137,19 +142,22 @@ class _GcsLock:
   def _renew(self):
     while not self._stop.wait(RENEW_S):
       try:
-        self.blob.upload_from_string(self.text, if_generation_match=self.generation)
+        self.blob.upload_from_string(self.text, if_generation_match=self.generation,
+                                     retry=_retry().with_timeout(RENEW_S))
         self.generation = self.blob.generation
       except self._precondition:
         metrics_log.warn(f"the workdir lock {self.url} was taken over by another run; this run no longer holds it")
         return
       except Exception as e:  # noqa: BLE001  (a passing network error: the next renewal retries)
-        metrics_log.warn(f"cannot renew the workdir lock {self.url}: {storage.describe(e)}")
+        if not self._warned:
+          metrics_log.warn(f"cannot renew the workdir lock {self.url}: {storage.describe(e)[:200]}")
+        self._warned = True
 
   def close(self):
     self._stop.set()
     self._thread.join()
     try:
-      self.blob.delete(if_generation_match=self.generation)
+      self.blob.delete(if_generation_match=self.generation, retry=_retry().with_timeout(10.0))
     except Exception:  # noqa: BLE001  (taken over, or the server is gone: the lock goes stale by itself)
       pass
 

@@ -4,15 +4,17 @@ workdir; metrics.jsonl in appended segments; exports written whole or not at all
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
+import sys
 import time
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import cli, flags, records
+from conftest import REPO, cli, flags, free_port, gcs_env, records, start_gcs
 from lm_jax import storage
 from lm_jax.obs import metrics_log
 
@@ -167,3 +169,54 @@ def test_a_failed_upload_leaves_no_export(gcs_server, monkeypatch, tmp_path):
       for name in ("a.bin", "model.safetensors", "config.json"):
         pathlib.Path(out, name).write_text(name)
   assert len(calls) == 2 and storage.find("gs://testbucket/partial") == []
+
+
+def test_a_missing_bucket_is_one_line(gcs_server, shared_data):
+  p = cli(*flags("clm", shared_data), "--config.total_steps=2", "--workdir=gs://nobucket/run", env=gcs_server["env"])
+  assert p.returncode == 1
+  [line] = quiet(p.stderr)
+  assert line.startswith("error: cannot create the workdir lock gs://nobucket/run/run.lock: ") and "nobucket" in line
+
+
+def test_a_server_gone_mid_run_is_one_line_and_the_last_checkpoint_survives(shared_data, tmp_path):
+  """The server is killed while the run saves every 20 steps: the run stops with one error line naming the
+  checkpoint directory; a restarted server still has the completed steps, and the run resumes from the last."""
+  (tmp_path / "data" / "testbucket").mkdir(parents=True)
+  port, root = free_port(), tmp_path / "root"
+  args = [*flags("clm", shared_data, checkpoint_every=20, log_every=20, eval_every=10**6), "--config.total_steps=400",
+          "--workdir=gs://testbucket/k"]
+  server = start_gcs(tmp_path / "data", port, root)
+  out, err = tmp_path / "stdout", tmp_path / "stderr"
+  with open(out, "w") as o, open(err, "w") as e:
+    run = subprocess.Popen([sys.executable, "-m", "lm_jax.main", *args], cwd=REPO, stdout=o, stderr=e,
+                           env={**os.environ, **gcs_env(port)})
+  try:
+    assert _wait_for(out, "step 40/", 240), out.read_text()[-3000:]
+    server.kill()
+    server.wait()
+    # TensorBoard's writer then retries its upload for minutes at exit: not waited for
+    assert _wait_for(err, "error: ", 240), err.read_text()[-3000:]
+  finally:
+    run.kill()
+    run.wait()
+  errors = [line for line in err.read_text().splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and errors[0].startswith("error: saving a checkpoint in gs://testbucket/k/checkpoints "
+                                                   "failed: "), errors
+  server = start_gcs(tmp_path / "data", port, root)
+  try:
+    resumed = cli(*[a.replace("total_steps=400", "total_steps=41") for a in args], env=gcs_env(port))
+  finally:
+    server.kill()
+    server.wait()
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert re.search(r"resumed step (20|40) from gs://testbucket/k/checkpoints", resumed.stdout), resumed.stdout
+
+
+def _wait_for(path: pathlib.Path, text: str, timeout_s: float) -> bool:
+  """Whether `text` appears in the file within timeout_s."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if text in path.read_text():
+      return True
+    time.sleep(0.5)
+  return False
