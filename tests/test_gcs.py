@@ -220,3 +220,15 @@ def _wait_for(path: pathlib.Path, text: str, timeout_s: float) -> bool:
       return True
     time.sleep(0.5)
   return False
+
+
+def test_tpu_vm_setup_installs_what_gs_needs():
+  """launch/tpu_vm.py setup installs requirements.txt, which holds gcsfs (epath's gs://) and google-cloud-storage
+  (the lock, TensorBoard)."""
+  p = subprocess.run([sys.executable, "launch/tpu_vm.py", "setup", "--name=x", "--zone=z", "--dry-run"], cwd=REPO,
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  assert "-r ~/lm_jax/requirements.txt" in p.stdout + p.stderr
+  names = {re.split(r"[<>=\[ #]", line, maxsplit=1)[0].lower()
+           for line in (REPO / "requirements.txt").read_text().splitlines() if line.strip()}
+  assert {"gcsfs", "google-cloud-storage"} <= names
