@@ -131,11 +131,14 @@ def _save_errors(mngr):
   try:
     yield
   except Exception as e:  # orbax and TensorStore raise ValueError, OSError or plain Exception
-    if jax.process_index() == 0:
-      _remove_temporary(mngr.directory)
-    mngr.reload()  # the steps on disk: orbax has already forgotten the ones it would delete after this save
-    last = mngr.latest_step()
-    kept = f"the last complete checkpoint is step {last}" if last is not None else "no checkpoint was completed"
+    try:
+      if jax.process_index() == 0:
+        _remove_temporary(mngr.directory)
+      mngr.reload()  # the steps on disk: orbax has already forgotten the ones it would delete after this save
+      last = mngr.latest_step()
+      kept = f"the last complete checkpoint is step {last}" if last is not None else "no checkpoint was completed"
+    except Exception:  # noqa: BLE001  the storage itself is gone (a remote workdir's server): nothing to list
+      kept = "the storage cannot be reached; the steps saved before are as they were"
     raise OSError(f"saving a checkpoint in {mngr.directory} failed: {_os_cause(e)}; {kept}") from e
 
 

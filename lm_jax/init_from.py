@@ -16,7 +16,6 @@ directory or another run's workdir.
 A Hugging Face directory is read here only: source_model (its config.json and tokenizer) and pretrained_params (its
 weights, lm_jax.hf.export.load_hf), whether a run starts from it or evaluates, exports, probes or decodes it.
 """
-import glob
 import json
 import os
 import pathlib
@@ -27,7 +26,8 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from lm_jax import checkpoint, config_lib, layout as layout_lib, models, objectives, params as params_lib
+from lm_jax import (checkpoint, config_lib, layout as layout_lib, models, objectives, params as params_lib,
+                    storage)
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import export
 from lm_jax.models import layers, relayout
@@ -47,7 +47,9 @@ def check(config):
 
 
 def is_hf(path: str) -> bool:
-  """Whether `path` is a Hugging Face model directory (rather than a run's workdir)."""
+  """Whether `path` is a Hugging Face model directory (rather than a run's workdir), local or remote."""
+  if storage.is_remote(path):
+    return storage.path(f"{path.rstrip('/')}/config.json").exists()
   return os.path.isfile(os.path.join(path, "config.json"))
 
 
@@ -91,11 +93,12 @@ def _latest_config(mngr, path: str) -> dict:
 def source_model(path: str) -> tuple[ml_collections.ConfigDict, str]:
   """(model config, tokenizer path) of the pre-trained model in `path`."""
   if is_hf(path):
+    path = storage.local_dir(path)   # a remote export's files are read from a local copy
     return export._read_config(os.path.join(path, "config.json")), path
   saved = saved_config(path)
   model = ml_collections.ConfigDict(saved["model"])
-  tokenizer = saved["data"].get("tokenizer") or next(iter(sorted(glob.glob(
-      os.path.join(path, f"tokenizer_{model.family}_*.model")))), "")
+  tokenizer = saved["data"].get("tokenizer") or next(iter(sorted(str(p) for p in storage.path(path).glob(
+      f"tokenizer_{model.family}_*.model"))), "")
   if not tokenizer:
     raise FileNotFoundError(f"config.init_from={path!r}: the run names no data.tokenizer and has no trained "
                             "tokenizer_*.model")

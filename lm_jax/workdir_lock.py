@@ -8,7 +8,14 @@ that process ends, kill -9 included, so no lock is ever stale and none has to be
 file only tells a refused run who holds it (host, pid, start time); it stays in place between runs, since removing a
 locked file would let a third run lock a new file beside a second one still waiting on the old. On a shared file
 system the lock spans hosts where it supports locks (NFS: a crashed host's locks go when its lease expires); one that
-refuses locks gets a warning and no lock. A remote workdir (gs://...) has no lock.
+refuses locks gets a warning and no lock.
+
+On gs:// the lock is the object WORKDIR/run.lock, created only if absent (generation-match precondition 0, which GCS
+checks atomically), renewed every RENEW_S seconds by a thread (each renewal is conditional on the generation this
+run last wrote) and deleted at the end. Object storage has no lock that dies with its process, so a lock object is
+stale once it is STALE_S seconds unrenewed, or at once when its holder is a pid on this host that no longer runs (a
+kill -9 and an immediate resume); a stale lock is replaced under the precondition of its own generation, so of two
+runs that find it stale one wins. Other URLs (no preconditions) get a warning and no lock.
 
 A multi-host run is one run: process 0 holds the lock and tells the others whether it got it, so all start or all
 stop. Locks per process would each see the other processes' locks as another run in a shared workdir.
@@ -20,14 +27,19 @@ import fcntl
 import json
 import os
 import socket
+import threading
+import time
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from lm_jax import storage
 from lm_jax.obs import metrics_log
 
 NAME = "run.lock"
+RENEW_S = 30.0     # a gs:// lock's renewal period
+STALE_S = 300.0    # a gs:// lock unrenewed this long is stale (clocks of host and server may differ by seconds)
 
 
 class WorkdirInUse(OSError):
@@ -38,9 +50,14 @@ class WorkdirInUse(OSError):
 def hold(workdir: str):
   """Holds workdir's lock for the block; WorkdirInUse (on every process) when another run holds it."""
   f, error = None, None
-  if "://" not in workdir and jax.process_index() == 0:
+  if jax.process_index() == 0:
     try:
-      f = _acquire(os.path.join(workdir, NAME))
+      if not storage.is_remote(workdir):
+        f = _acquire(os.path.join(workdir, NAME))
+      elif workdir.startswith("gs://"):
+        f = _GcsLock(f"{workdir.rstrip('/')}/{NAME}")
+      else:
+        metrics_log.warn(f"{workdir}: no lock on this kind of storage; nothing stops a second run in this workdir")
     except WorkdirInUse as e:
       error = e
   if jax.process_count() > 1:
@@ -68,14 +85,97 @@ def _acquire(path: str):
     f.seek(0)
     holder = f.read()
     f.close()
-    raise WorkdirInUse(f"{os.path.dirname(path)} is in use by {_describe(holder)}; wait for it, stop it, or use "
-                       "another --workdir") from None
+    raise _in_use(os.path.dirname(path), holder) from None
   f.seek(0)
   f.truncate()
-  f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                      "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}))
+  f.write(_holder())
   f.flush()
   return f
+
+
+def _holder() -> str:
+  return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                     "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")})
+
+
+def _in_use(workdir: str, holder: str) -> WorkdirInUse:
+  return WorkdirInUse(f"{workdir} is in use by {_describe(holder)}; wait for it, stop it, or use another --workdir")
+
+
+def _retry():
+  from google.cloud.storage import retry
+  return retry.DEFAULT_RETRY
+
+
+class _GcsLock:
+  """WORKDIR/run.lock on GCS, held from construction to close() (see the module docstring)."""
+
+  def __init__(self, url: str):
+    from google.api_core import exceptions
+    self.url, self.blob, self._stop, self._warned = url, storage.gcs_blob(url), threading.Event(), False
+    self._precondition = exceptions.PreconditionFailed
+    self.text = text = _holder()
+    try:
+      self.blob.upload_from_string(text, if_generation_match=0)
+    except exceptions.PreconditionFailed:
+      self._replace_stale(text)
+    except Exception as e:  # noqa: BLE001  (missing bucket, credentials, permission, server gone)
+      raise storage.StorageError(f"cannot create the workdir lock {url}: {storage.describe(e)}") from None
+    self.generation = self.blob.generation
+    self._thread = threading.Thread(target=self._renew, name="workdir-lock", daemon=True)
+    self._thread.start()
+
+  def _replace_stale(self, text: str):
+    """Takes the lock over if its holder is gone; WorkdirInUse naming the holder otherwise."""
+    old = self.blob.bucket.get_blob(self.blob.name)
+    if old is None:   # released between our two requests
+      return self.blob.upload_from_string(text, if_generation_match=0)
+    holder = old.download_as_text(if_generation_match=old.generation)
+    if not _stale(holder, time.time() - old.updated.timestamp()):
+      raise _in_use(self.url.rsplit("/", 1)[0], holder)
+    try:
+      self.blob.upload_from_string(text, if_generation_match=old.generation)
+    except self._precondition:   # another run replaced it first
+      raise _in_use(self.url.rsplit("/", 1)[0], self.blob.bucket.blob(self.blob.name).download_as_text()) from None
+    metrics_log.warn(f"replaced the stale workdir lock {self.url} of {_describe(holder)}")
+
+  def _renew(self):
+    while not self._stop.wait(RENEW_S):
+      try:
+        self.blob.upload_from_string(self.text, if_generation_match=self.generation,
+                                     retry=_retry().with_timeout(RENEW_S))
+        self.generation = self.blob.generation
+      except self._precondition:
+        metrics_log.warn(f"the workdir lock {self.url} was taken over by another run; this run no longer holds it")
+        return
+      except Exception as e:  # noqa: BLE001  (a passing network error: the next renewal retries)
+        if not self._warned:
+          metrics_log.warn(f"cannot renew the workdir lock {self.url}: {storage.describe(e)[:200]}")
+        self._warned = True
+
+  def close(self):
+    self._stop.set()
+    self._thread.join()
+    try:
+      self.blob.delete(if_generation_match=self.generation, retry=_retry().with_timeout(10.0))
+    except Exception:  # noqa: BLE001  (taken over, or the server is gone: the lock goes stale by itself)
+      pass
+
+
+def _stale(holder: str, age_s: float) -> bool:
+  """A lock STALE_S unrenewed, or held by a pid of this host that no longer runs."""
+  if age_s > STALE_S:
+    return True
+  try:
+    owner = json.loads(holder)
+    if owner["host"] != socket.gethostname():
+      return False
+    os.kill(int(owner["pid"]), 0)
+  except ProcessLookupError:
+    return True
+  except (ValueError, TypeError, KeyError, OSError):
+    pass
+  return False
 
 
 def _describe(text: str) -> str:

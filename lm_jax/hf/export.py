@@ -12,7 +12,11 @@ unreadable or unfitting file is a one-line error that names the file, and the te
 directory beside the target, which is renamed to the target only once every file is written, so an error, a full
 disk or SIGTERM leaves the target as it was and no files of two exports ever mix (an unmerged export's adapter/
 beside merged weights would apply the adapters twice). A non-empty target is refused unless `overwrite`, which
-replaces it whole. Every file gets the same mode (the umask's).
+replaces it whole. Every file gets the same mode (the umask's). A remote target (gs://...) has no directory rename:
+the export is written to a local temporary directory, then uploaded with config.json, which every reader (load_hf,
+transformers, lm-eval) needs, last and any old config.json deleted first, so a reader finds the old export, no
+export, or the new one whole; a failed upload removes what it uploaded. load_hf reads a remote export from a local
+copy (lm_jax.storage.local_dir).
 """
 import contextlib
 import glob
@@ -30,7 +34,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from lm_jax import hf, models
+from lm_jax import hf, models, storage
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import convert, tokenizer as hf_tokenizer
 
@@ -71,6 +75,11 @@ def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer 
 
 def check_target(out_dir: str, overwrite: bool = False):
   """One-line error for an export target that `writing` would refuse: call it before the export's work."""
+  if storage.is_remote(out_dir):
+    if storage.find(out_dir) and not overwrite:
+      raise FileExistsError(f"export directory {out_dir} is not empty; pass --overwrite to replace it whole, or "
+                            "choose another --export_dir")
+    return
   if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
     raise FileExistsError(f"export directory {out_dir} is a file")
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
@@ -84,6 +93,14 @@ def writing(out_dir: str, overwrite: bool = False):
   (replacing one that exists, with `overwrite`), with every file and folder at the umask's mode. An exception or
   SIGTERM inside the block removes it and leaves out_dir untouched."""
   check_target(out_dir, overwrite)
+  if storage.is_remote(out_dir):
+    tmp = tempfile.mkdtemp(prefix="lm_jax-export-")
+    try:
+      yield tmp
+      storage.upload_dir(tmp, out_dir, last="config.json")
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+    return
   out_dir = os.path.abspath(out_dir)
   os.makedirs(os.path.dirname(out_dir), exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=os.path.dirname(out_dir))
@@ -144,6 +161,7 @@ def _generation_config(model_cfg, layout, tokenizer) -> dict:
 def load_hf(path: str, **overrides):
   """-> (model_cfg, params) from a directory with config.json and *.safetensors (shards too).
   `overrides` set model config fields that do not change the weights, e.g. scan_layers=True."""
+  path = _local(path)
   config_path = os.path.join(path, "config.json")
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f"{config_path} not found")
@@ -167,6 +185,7 @@ def load_hf(path: str, **overrides):
 def load_hf_tokenizer(path: str) -> tokenizer_lib.Tokenizer:
   """The tokenizer of a Hugging Face directory (tokenizer.json, vocab.txt or a SentencePiece *.model), with the
   special ids of the family its config.json names: what save_hf wrote gives the exported tokenizer's ids."""
+  path = _local(path)
   config_path = os.path.join(path, "config.json")
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f"{config_path} not found")
@@ -175,6 +194,13 @@ def load_hf_tokenizer(path: str) -> tokenizer_lib.Tokenizer:
       os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "vocab.txt")):
     raise FileNotFoundError(f"{path} has no tokenizer.json, vocab.txt or *.model (exported without a tokenizer?)")
   return tokenizer_lib.load(path, family)
+
+
+def _local(path: str) -> str:
+  """A remote export's local copy (its config.json checked first, so a missing export is named by its URL)."""
+  if storage.is_remote(path) and not storage.path(f"{path.rstrip('/')}/config.json").exists():
+    raise FileNotFoundError(f"{path.rstrip('/')}/config.json not found")
+  return storage.local_dir(path)
 
 
 def _read_config(config_path: str):

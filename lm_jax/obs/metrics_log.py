@@ -3,8 +3,11 @@ Biases with config.wandb.project (lm_jax.obs.wandb_log) and the console line. On
 
 On resume the file is cut back to the restored step, so an interrupted-and-resumed run leaves exactly the
 records of an uninterrupted one (wall-clock fields such as tokens_per_sec aside). Workdirs may be remote
-(gs://...; etils.epath, TensorBoard there needs google-cloud-storage): remote files cannot be appended to,
-so they are rewritten whole. A workdir that cannot be written (read-only, full) costs the file, with one
+(gs://..., through lm_jax.storage; TensorBoard there uses google-cloud-storage). Remote objects cannot be appended
+to, so there metrics.jsonl is a folder of segments: each write uploads one object NNNNNNNN.jsonl with its record
+(the cost grows with the new records, not with the run), and a run's start that cuts records back (or finds more
+than one segment) writes NNNNNNNN.base.jsonl, which replaces every segment before it, then deletes those. `read`
+joins them into the one list of records a local file gives. A workdir that cannot be written (read-only, full) costs the file, with one
 warning, never the run's results: the console line is printed either way; TensorBoard or W&B failing costs only
 itself, with one warning. A damaged line in the middle of metrics.jsonl is skipped by name, never a reason to
 drop the records after it.
@@ -21,6 +24,7 @@ import jax
 from absl import logging as absl_logging
 from etils import epath
 
+from lm_jax import storage
 from lm_jax.obs import goodput, wandb_log
 
 TIME_SPLIT = tuple(f"{k}_s" for k in goodput.SPLIT)   # a train record's time split (lm_jax.loop)
@@ -62,24 +66,47 @@ def quiet_libraries():
 
 
 def read(path) -> list[dict]:
-  """Records of a metrics.jsonl. A torn last line (killed mid-write) is dropped; a damaged line before others is
-  skipped with one warning naming it, and the records after it are kept."""
-  path, records, bad = epath.Path(path), [], []
-  if path.exists():
-    lines = path.read_bytes().decode("utf-8", "replace").splitlines()
-    for n, line in enumerate(lines, 1):
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        record = None
-      if isinstance(record, dict):
-        records.append(record)
-      elif n < len(lines) and line.strip():
-        bad.append(n)
+  """Records of a metrics.jsonl (a local file, or a remote folder of segments). A torn last line (killed
+  mid-write) is dropped; a damaged line before others is skipped with one warning naming it, and the records after
+  it are kept."""
+  if storage.is_remote(path):
+    text = b"".join(_segment_texts(str(path)).values())
+  else:
+    path = epath.Path(path)
+    text = path.read_bytes() if path.exists() else b""
+  records, bad = [], []
+  lines = text.decode("utf-8", "replace").splitlines()
+  for n, line in enumerate(lines, 1):
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      record = None
+    if isinstance(record, dict):
+      records.append(record)
+    elif n < len(lines) and line.strip():
+      bad.append(n)
   if bad:
     warn(f"{path}: line{'s' * (len(bad) > 1)} {', '.join(map(str, bad))} not a JSON record; skipped, the "
          "records after kept")
   return records
+
+
+def _segments(folder: str) -> list[tuple[int, str]]:
+  """(number, URL) of a remote metrics.jsonl's segments, in order."""
+  out = []
+  for url in storage.list_files(folder):
+    number, _, rest = url.rsplit("/", 1)[1].partition(".")
+    if number.isdigit() and rest in ("jsonl", "base.jsonl"):
+      out.append((int(number), url))
+  return sorted(out)
+
+
+def _segment_texts(folder: str) -> dict[str, bytes]:
+  """The segments from the last base on, in order."""
+  segments = [url for _, url in _segments(folder)]
+  bases = [i for i, url in enumerate(segments) if url.endswith(".base.jsonl")]
+  texts = storage.read_many(segments[bases[-1] if bases else 0:])
+  return {url: texts[url] for url in segments if url in texts}
 
 
 class MetricsLog:
@@ -92,12 +119,15 @@ class MetricsLog:
     self.active = jax.process_index() == 0
     self.writable = self.active
     self.tb = self.wandb = None
-    self.records = []
+    self.records, self.segment = [], 0
     if not self.active:
       return
     with self._unless_unwritable():
-      self.records = [r for r in read(self.path) if r.get("step", 0) <= resume_step]
-      self._rewrite()
+      if self.remote:
+        self._start_segments(resume_step)
+      else:
+        self.records = [r for r in read(self.path) if r.get("step", 0) <= resume_step]
+        self._rewrite()
     if tensorboard:
       with self._observer("tb", "TensorBoard"):
         from tensorboardX import SummaryWriter
@@ -118,14 +148,28 @@ class MetricsLog:
       setattr(self, attr, None)
 
   def _rewrite(self):
-    text = "".join(json.dumps(r) + "\n" for r in self.records)
-    if self.remote:
-      self.path.write_text(text)
-    else:  # atomic: a kill during the rewrite leaves the old file
-      tmp = f"{self.path}.tmp{os.getpid()}"
-      with open(tmp, "w") as f:
-        f.write(text)
-      os.replace(tmp, self.path)
+    """Local: the file replaced atomically (a kill during the rewrite leaves the old one)."""
+    tmp = f"{self.path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+      f.write("".join(json.dumps(r) + "\n" for r in self.records))
+    os.replace(tmp, self.path)
+
+  def _start_segments(self, resume_step: int):
+    """Remote: the records up to resume_step; a new base segment when that cuts any or there are several (each
+    object is replaced atomically, so a kill leaves the old segments or the new base), then the old ones go."""
+    folder = str(self.path)
+    old = [url for _, url in _segments(folder)]
+    every = read(folder)
+    self.records = [r for r in every if r.get("step", 0) <= resume_step]
+    self.segment = int(old[-1].rsplit("/", 1)[1].split(".")[0]) + 1 if old else 0
+    if len(self.records) < len(every) or len(old) > 1:
+      self._upload(self.records, base=True)
+      storage.remove(old)
+
+  def _upload(self, records: list[dict], base: bool = False):
+    name = f"{self.segment:08d}.base.jsonl" if base else f"{self.segment:08d}.jsonl"
+    (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    self.segment += 1
 
   @contextlib.contextmanager
   def _unless_unwritable(self):
@@ -144,7 +188,7 @@ class MetricsLog:
     if self.writable:
       with self._unless_unwritable():
         if self.remote:
-          self._rewrite()
+          self._upload([record])
         else:
           with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -1,0 +1,234 @@
+"""gs:// workdirs and exports against a real GCS API server (fake-gcs-server, the gcs_server fixture): a run trains,
+checkpoints, resumes and evaluates in a bucket with the records of a local run and a quiet stderr; one run per
+workdir; metrics.jsonl in appended segments; exports written whole or not at all; one-line errors."""
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, cli, flags, free_port, gcs_env, records, start_gcs
+from lm_jax import storage
+from lm_jax.obs import metrics_log
+
+# tensorstore (orbax's checkpoints) logs this one INFO line per process when told the emulator needs no credentials
+TENSORSTORE_LINE = "google_auth_provider.cc:136] Using GOOGLE_AUTH_TOKEN_FOR_TESTING"
+
+
+def quiet(stderr: str) -> list[str]:
+  """stderr's lines other than tensorstore's one: what a storage library printed beyond lm_jax's own lines."""
+  return [line for line in stderr.splitlines() if TENSORSTORE_LINE not in line]
+
+
+def same_records(a, b):
+  assert len(a) == len(b) > 0
+  for x, y in zip(a, b):
+    assert {k: v for k, v in x.items() if k not in metrics_log.WALL_CLOCK} == \
+           {k: v for k, v in y.items() if k not in metrics_log.WALL_CLOCK}
+
+
+@pytest.fixture(scope="module")
+def gs_run(gcs_server, shared_data, tmp_path_factory):
+  """4 steps to gs://testbucket/run, resumed to 6, then evaluated; and the same 6 steps uninterrupted on a local
+  disk."""
+  args = flags("clm", shared_data, checkpoint_every=2, eval_every=2, log_every=2)
+  workdir = "gs://testbucket/run"
+  first = cli(*args, "--config.total_steps=4", f"--workdir={workdir}", env=gcs_server["env"])
+  resumed = cli(*args, "--config.total_steps=6", f"--workdir={workdir}", env=gcs_server["env"])
+  evaluated = cli(*args, "--config.total_steps=6", "--mode=eval", f"--workdir={workdir}", env=gcs_server["env"])
+  local = tmp_path_factory.mktemp("local") / "run"
+  reference = cli(*args, "--config.total_steps=6", f"--workdir={local}")
+  for p in (first, resumed, evaluated, reference):
+    assert p.returncode == 0, p.stderr[-3000:]
+  return dict(args=args, workdir=workdir, local=local, first=first, resumed=resumed, evaluated=evaluated)
+
+
+def test_train_resume_eval_in_a_bucket(gs_run):
+  """The resumed gs:// run has exactly the records of the uninterrupted local one; eval reads its checkpoint."""
+  assert "resumed step 4 from gs://testbucket/run/checkpoints" in gs_run["resumed"].stdout
+  same_records(records(gs_run["workdir"]), records(str(gs_run["local"])))
+  evals = records(gs_run["workdir"], "eval")   # the training's, then --mode=eval's own record
+  same_records(evals[:-1], records(str(gs_run["local"]), "eval"))
+  assert evals[-1]["step"] == 6 and "step 6/6 | eval_accuracy" in gs_run["evaluated"].stdout
+
+
+def test_storage_libraries_are_quiet(gs_run):
+  """No credential warnings, no gcsfs tracebacks: stderr holds at most tensorstore's one line."""
+  for p in (gs_run["first"], gs_run["resumed"], gs_run["evaluated"]):
+    assert quiet(p.stderr) == [], p.stderr[-3000:]
+    assert len(p.stderr.splitlines()) <= 1
+
+
+def test_second_run_on_a_busy_workdir_is_refused(gcs_server, shared_data):
+  """The same one line as on a local disk while the first run holds gs://.../run.lock."""
+  from lm_jax import workdir_lock
+  with workdir_lock.hold("gs://testbucket/busy"):
+    p = cli(*flags("clm", shared_data), "--config.total_steps=2", "--workdir=gs://testbucket/busy",
+            env=gcs_server["env"])
+  assert p.returncode == 1
+  [line] = quiet(p.stderr)
+  assert line.startswith(f"error: gs://testbucket/busy is in use by the run of pid {os.getpid()} on host "
+                         f"{socket.gethostname()} (started ")
+  assert line.endswith("; wait for it, stop it, or use another --workdir")
+  assert not storage.path("gs://testbucket/busy/run.lock").exists()   # released at the end of the block
+
+
+def test_lock_is_renewed_and_a_stale_one_replaced(gcs_server, monkeypatch):
+  """A renewed lock keeps a second holder out past STALE_S; an unrenewed one is replaced; a dead pid of this host
+  frees it at once."""
+  from lm_jax import workdir_lock
+  monkeypatch.setattr(workdir_lock, "RENEW_S", 0.2)
+  monkeypatch.setattr(workdir_lock, "STALE_S", 1.0)
+  with workdir_lock.hold("gs://testbucket/renewed"):
+    time.sleep(1.5)
+    with pytest.raises(workdir_lock.WorkdirInUse, match="in use by the run of pid"):
+      workdir_lock.hold("gs://testbucket/renewed").__enter__()
+  blob = storage.gcs_blob("gs://testbucket/stale/run.lock")
+  blob.upload_from_string(json.dumps({"host": "elsewhere", "pid": 1, "started": "then"}))
+  time.sleep(1.2)
+  with workdir_lock.hold("gs://testbucket/stale"):
+    assert json.loads(blob.download_as_text())["pid"] == os.getpid()
+  monkeypatch.setattr(workdir_lock, "STALE_S", 300.0)
+  blob = storage.gcs_blob("gs://testbucket/killed/run.lock")
+  blob.upload_from_string(json.dumps({"host": socket.gethostname(), "pid": _exited_pid(), "started": "then"}))
+  with workdir_lock.hold("gs://testbucket/killed"):
+    assert json.loads(blob.download_as_text())["pid"] == os.getpid()
+
+
+def _exited_pid() -> int:
+  p = subprocess.Popen(["true"])
+  p.wait()
+  return p.pid
+
+
+def test_metrics_are_appended_segments_and_cut_back_on_resume(gcs_server, tmp_path):
+  """Each write uploads one object holding only its record; a resume cuts back exactly as a local file does, and
+  leaves one base segment."""
+  def run(workdir, resume_step, steps):
+    log = metrics_log.MetricsLog(workdir, resume_step, tensorboard=False)
+    for step in steps:
+      log.write({"step": step, "loss": 1.0 / step})
+    log.close()
+
+  for workdir in ("gs://testbucket/metrics", str(tmp_path)):
+    run(workdir, 0, range(1, 6))
+    run(workdir, 3, range(4, 8))   # killed after step 5, resumed from a step-3 checkpoint
+  folder = "gs://testbucket/metrics/metrics.jsonl"
+  assert metrics_log.read(folder) == metrics_log.read(tmp_path / "metrics.jsonl")
+  assert [r["step"] for r in metrics_log.read(folder)] == [1, 2, 3, 4, 5, 6, 7]
+  names = [url.rsplit("/", 1)[1] for url in storage.list_files(folder)]
+  assert names == ["00000005.base.jsonl", "00000006.jsonl", "00000007.jsonl", "00000008.jsonl", "00000009.jsonl"]
+  texts = storage.read_many(storage.list_files(folder))
+  assert [len(t.splitlines()) for t in texts.values()] == [3, 1, 1, 1, 1]
+
+
+def test_export_to_a_bucket_then_load_hf_and_init_from_it(gs_run, gcs_server, tmp_path):
+  """--mode=export writes a bucket's export that load_hf reads with the weights of the same run's local export;
+  a second export there is refused; a fine-tune starts from it."""
+  from lm_jax.hf import export
+  target = "gs://testbucket/export"
+  p = cli(*gs_run["args"], "--mode=export", f"--workdir={gs_run['workdir']}", f"--export_dir={target}",
+          env=gcs_server["env"])
+  assert p.returncode == 0 and quiet(p.stderr) == [], p.stderr[-3000:]
+  assert {"config.json", "model.safetensors"} <= {u.rsplit("/", 1)[1] for u in storage.find(target)}
+  local = cli(*gs_run["args"], "--mode=export", f"--workdir={gs_run['local']}", f"--export_dir={tmp_path / 'ex'}")
+  assert local.returncode == 0, local.stderr[-3000:]
+  (cfg, params), (local_cfg, local_params) = export.load_hf(target), export.load_hf(str(tmp_path / "ex"))
+  assert cfg == local_cfg
+  jax.tree.map(np.testing.assert_array_equal, params, local_params)
+  with pytest.raises(FileExistsError, match=f"^export directory {target} is not empty; pass --overwrite"):
+    export.check_target(target)
+  ft = cli(*gs_run["args"], "--config.total_steps=2", f"--config.init_from={target}", f"--workdir={tmp_path / 'ft'}",
+           env=gcs_server["env"])
+  assert ft.returncode == 0 and quiet(ft.stderr) == [], ft.stderr[-3000:]
+  assert records(str(tmp_path / "ft"))[-1]["step"] == 2
+
+
+def test_a_failed_upload_leaves_no_export(gcs_server, monkeypatch, tmp_path):
+  """An upload that fails part way removes what it wrote: the target holds no file (no config.json, no export)."""
+  from lm_jax.hf import export
+  fs = storage._fs("gs://testbucket")
+  put, calls = fs.put_file, []
+
+  def failing_put(*args, **kwargs):
+    calls.append(args)
+    if len(calls) == 2:
+      raise OSError("connection reset")
+    return put(*args, **kwargs)
+
+  monkeypatch.setattr(fs, "put_file", failing_put)
+  with pytest.raises(OSError, match="connection reset"):
+    with export.writing("gs://testbucket/partial") as out:
+      for name in ("a.bin", "model.safetensors", "config.json"):
+        pathlib.Path(out, name).write_text(name)
+  assert len(calls) == 2 and storage.find("gs://testbucket/partial") == []
+
+
+def test_a_missing_bucket_is_one_line(gcs_server, shared_data):
+  p = cli(*flags("clm", shared_data), "--config.total_steps=2", "--workdir=gs://nobucket/run", env=gcs_server["env"])
+  assert p.returncode == 1
+  [line] = quiet(p.stderr)
+  assert line.startswith("error: cannot create the workdir lock gs://nobucket/run/run.lock: ") and "nobucket" in line
+
+
+def test_a_server_gone_mid_run_is_one_line_and_the_last_checkpoint_survives(shared_data, tmp_path):
+  """The server is killed while the run saves every 20 steps: the run stops with one error line naming the
+  checkpoint directory; a restarted server still has the completed steps, and the run resumes from the last."""
+  (tmp_path / "data" / "testbucket").mkdir(parents=True)
+  port, root = free_port(), tmp_path / "root"
+  args = [*flags("clm", shared_data, checkpoint_every=20, log_every=20, eval_every=10**6), "--config.total_steps=400",
+          "--workdir=gs://testbucket/k"]
+  server = start_gcs(tmp_path / "data", port, root)
+  out, err = tmp_path / "stdout", tmp_path / "stderr"
+  with open(out, "w") as o, open(err, "w") as e:
+    run = subprocess.Popen([sys.executable, "-m", "lm_jax.main", *args], cwd=REPO, stdout=o, stderr=e,
+                           env={**os.environ, **gcs_env(port)})
+  try:
+    assert _wait_for(out, "step 40/", 240), out.read_text()[-3000:]
+    server.kill()
+    server.wait()
+    # TensorBoard's writer then retries its upload for minutes at exit: not waited for
+    assert _wait_for(err, "error: ", 420), err.read_text()[-3000:]
+  finally:
+    run.kill()
+    run.wait()
+  errors = [line for line in err.read_text().splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and errors[0].startswith("error: saving a checkpoint in gs://testbucket/k/checkpoints "
+                                                   "failed: "), errors
+  server = start_gcs(tmp_path / "data", port, root)
+  try:
+    resumed = cli(*[a.replace("total_steps=400", "total_steps=41") for a in args], env=gcs_env(port))
+  finally:
+    server.kill()
+    server.wait()
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert re.search(r"resumed step (20|40) from gs://testbucket/k/checkpoints", resumed.stdout), resumed.stdout
+
+
+def _wait_for(path: pathlib.Path, text: str, timeout_s: float) -> bool:
+  """Whether `text` appears in the file within timeout_s."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if text in path.read_text():
+      return True
+    time.sleep(0.5)
+  return False
+
+
+def test_tpu_vm_setup_installs_what_gs_needs():
+  """launch/tpu_vm.py setup installs requirements.txt, which holds gcsfs (epath's gs://) and google-cloud-storage
+  (the lock, TensorBoard)."""
+  p = subprocess.run([sys.executable, "launch/tpu_vm.py", "setup", "--name=x", "--zone=z", "--dry-run"], cwd=REPO,
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  assert "-r ~/lm_jax/requirements.txt" in p.stdout + p.stderr
+  names = {re.split(r"[<>=\[ #]", line, maxsplit=1)[0].lower()
+           for line in (REPO / "requirements.txt").read_text().splitlines() if line.strip()}
+  assert {"gcsfs", "google-cloud-storage"} <= names
