@@ -49,6 +49,10 @@ def describe(error: BaseException) -> str:
   return text[0] if text else type(error).__name__
 
 
+def _scheme(url) -> str:
+  return str(url).split("://", 1)[0]
+
+
 def bucket_and_key(url: str) -> tuple[str, str]:
   """'gs://b/a/c' -> ('b', 'a/c')."""
   rest = str(url).split("://", 1)[1]
@@ -90,7 +94,7 @@ def find(url: str) -> list[str]:
   """URLs of every file under the prefix `url`, read fresh from the server."""
   fs = _fs(url)
   fs.invalidate_cache()
-  scheme = str(url).split("://", 1)[0]
+  scheme = _scheme(url)
   return sorted(f"{scheme}://{p}" for p in fs.find(str(url).rstrip("/") + "/"))
 
 
@@ -147,7 +151,7 @@ def list_files(url: str) -> list[str]:
   """URLs of the files directly under the prefix `url`, read fresh from the server (no listing cache)."""
   fs = _fs(url)
   fs.invalidate_cache(str(url))
-  scheme = str(url).split("://", 1)[0]
+  scheme = _scheme(url)
   try:
     entries = fs.ls(str(url), detail=True)
   except FileNotFoundError:
@@ -160,7 +164,7 @@ def read_many(urls: list[str]) -> dict[str, bytes]:
   if not urls:
     return {}
   fs = _fs(urls[0])
-  scheme = str(urls[0]).split("://", 1)[0]
+  scheme = _scheme(urls[0])
   return {u if "://" in u else f"{scheme}://{u}": v for u, v in fs.cat(list(urls)).items()}
 
 

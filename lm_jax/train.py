@@ -45,7 +45,7 @@ def setup(config, workdir: str, devices=None, *, held: contextlib.ExitStack | No
     held.enter_context(workdir_lock.hold(workdir))
   tokenizer = tokenizer_lib.load_or_train(config, workdir)
   layout = layout_lib.build(config, sharding.make_mesh(config, devices))
-  return Setup(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}, tokenizer=tokenizer)
+  return Setup(**vars(layout), tokenizer=tokenizer)
 
 
 def _hosts(kind: str, s: Setup, **kwargs):
