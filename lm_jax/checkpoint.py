@@ -55,6 +55,21 @@ def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Checkpoi
                                            cleanup_tmp_directories=not read_only, multiprocessing_options=barriers)))
 
 
+def bound_storage_retries(seconds: float):
+  """Makes a checkpoint write to unreachable storage give up after about `seconds` of retries. TensorStore (orbax's
+  array writer) retries a failed GCS request 32 times, up to 32 s apart, by default: a run whose storage is gone would
+  sit a quarter of an hour in a save before its one-line error. orbax builds its TensorStore context from these
+  module defaults and takes no argument for it (orbax-checkpoint 0.12)."""
+  from orbax.checkpoint._src.serialization import tensorstore_utils
+  max_delay = min(32.0, max(1.0, seconds / 8))
+  waited, delay, retries = 0.0, 1.0, 0
+  while waited + delay <= seconds:
+    waited, delay, retries = waited + delay, min(2 * delay, max_delay), retries + 1
+  retries = {"max_retries": max(retries, 1), "initial_delay": "1s", "max_delay": f"{max_delay:g}s"}
+  for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+    context["gcs_request_retries"] = retries
+
+
 def _listing(read, tries: int = 20):
   """read() of orbax's step list, again when a step vanished between its listing and its stat (a trainer beside this
   reader deleting an old step); a FileNotFoundError of another cause comes back every try."""

@@ -29,6 +29,7 @@ _UNIT = "in [0, 1)", lambda x: 0 <= x < 1
 RANGES = {
     "total_steps": _at_least(1), "microbatches": _at_least(1), "log_every": _at_least(1),
     "checkpoint_every": _at_least(1), "batch_size": _at_least(1), "keep_checkpoints": _at_least(1),
+    "storage_retry_s": _at_least(1),
     "eval_every": _at_least(0), "seed": _at_least(0), "peak_tflops": _at_least(0),
     "optimizer.lr": _above(0), "optimizer.b1": _UNIT, "optimizer.b2": _UNIT, "optimizer.eps": _above(0),
     "optimizer.weight_decay": _at_least(0), "optimizer.warmup_steps": _at_least(0),

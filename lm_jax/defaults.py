@@ -62,6 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_every = 0
   c.checkpoint_every = 1000
   c.keep_checkpoints = 2
+  c.storage_retry_s = 600         # a checkpoint write retries unreachable storage this long, then the run stops
   c.peak_tflops = 0.0             # per device, for MFU; 0 = a table by device kind (lm_jax/plan/hardware.py)
 
   c.profile = ml_collections.ConfigDict()   # jax.profiler traces into WORKDIR/profile (lm_jax/obs/profiling.py)

@@ -120,8 +120,9 @@ def _run(config, mode):
     return
   if not _WORKDIR.value:
     raise app.UsageError(f"--workdir is required for --mode={mode}")
-  from lm_jax import distributed, train
+  from lm_jax import checkpoint, distributed, train
   distributed.maybe_initialize()
+  checkpoint.bound_storage_retries(config.storage_retry_s)
   with train.removed_if_unused(_WORKDIR.value):   # a run that stops at start leaves no workdir it created
     _run_in_workdir(config, mode)
 

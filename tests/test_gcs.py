@@ -184,7 +184,7 @@ def test_a_server_gone_mid_run_is_one_line_and_the_last_checkpoint_survives(shar
   (tmp_path / "data" / "testbucket").mkdir(parents=True)
   port, root = free_port(), tmp_path / "root"
   args = [*flags("clm", shared_data, checkpoint_every=20, log_every=20, eval_every=10**6), "--config.total_steps=400",
-          "--workdir=gs://testbucket/k"]
+          "--config.storage_retry_s=20", "--workdir=gs://testbucket/k"]
   server = start_gcs(tmp_path / "data", port, root)
   out, err = tmp_path / "stdout", tmp_path / "stderr"
   with open(out, "w") as o, open(err, "w") as e:
