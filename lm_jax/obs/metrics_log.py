@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import threading
 
 import jax
 from absl import logging as absl_logging
@@ -132,6 +133,7 @@ class MetricsLog:
       with self._observer("tb", "TensorBoard"):
         from tensorboardX import SummaryWriter
         self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
+        self._catch_writer_thread()
     if config is not None and config.wandb.project:
       with self._observer("wandb", "W&B"):
         self.wandb = wandb_log.start(config, workdir)
@@ -146,6 +148,21 @@ class MetricsLog:
       warn(f"{name} stopped ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
            "training goes on without it")
       setattr(self, attr, None)
+
+  def _catch_writer_thread(self):
+    """tensorboardX uploads from a thread of its own; an upload that fails there (a gs:// workdir whose server is
+    gone) would print a 40-line traceback. It becomes the one warning the main thread gives instead."""
+    previous = threading.excepthook
+
+    def hook(args):
+      if not type(args.thread).__module__.startswith("tensorboardX"):
+        return previous(args)
+      if self.tb is None:   # already warned
+        return None
+      with self._observer("tb", "TensorBoard"):
+        raise args.exc_value
+
+    threading.excepthook = hook
 
   def _rewrite(self):
     """Local: the file replaced atomically (a kill during the rewrite leaves the old one)."""
