@@ -59,7 +59,7 @@ def make_evaluator(s: Setup) -> Callable:
   config.eval.lm_eval_tasks also the tasks' metrics at the steps lm_eval_adapter.due names (None: always)."""
   it = _hosts("eval", s)
   batches = list(it)
-  eval_step = step.make_eval_step(s.config, s.objective, s.state_sharding["params"], s.mesh)
+  eval_step = step.make_eval_step(s.policy, s.objective, s.state_sharding["params"], s.mesh)
   harness = lm_eval_adapter.Harness(s.config, s.tokenizer) if s.config.eval.lm_eval_tasks else None
 
   def evaluate(params, i=None):
@@ -78,7 +78,7 @@ def _init_or_restore(s: Setup, mngr, train_it):
   """(state, start step): the latest checkpoint with its data position, or a fresh state at step 0."""
   restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=True)
   if restored is None:
-    state = step.fresh_state(s.config, s.tx, s.state_sharding)
+    state = step.fresh_state(s.policy, s.tx, s.state_sharding)
     if s.config.init_from:   # pre-trained params; new heads keep the seeded init
       params, report = init_from.start_params(s.config, state["params"], s.mesh, s.rules, s.state_sharding["params"])
       state = dict(state, params=params)
@@ -125,7 +125,7 @@ def compile_train_step(s: Setup) -> Callable:
   """The train step, compiled once at its first call (inside the first step's window, where the time split books
   compilations) from that call's arguments; its per-device memory is printed then, next to lm_jax.plan.memory's
   estimate, and the compiled executable runs every step."""
-  jitted = step.make_train_step(s.config, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
+  jitted = step.make_train_step(s.policy, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
   compiled = []
 
   def train_step(state, batch):
@@ -152,7 +152,7 @@ def train(config, workdir: str, *, devices=None) -> dict:
 def _train(config, workdir: str, devices, held: contextlib.ExitStack) -> dict:
   ledger = goodput.Ledger()
   s = setup(config, workdir, devices, held=held)
-  trainable, total = params_lib.count(s.config)
+  trainable, total = params_lib.count(s.policy)
   loop.say(f"parameters: {trainable:,} trainable of {total:,}")
   mngr = checkpoint.manager(workdir, config.keep_checkpoints)
   train_it = _hosts("train", s)
@@ -220,11 +220,11 @@ def export_checkpoint(config, workdir: str, export_dir: str, merged: bool = Fals
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     params = jax.device_get(params)
-    plain = jax.device_get(params_lib.merged(s.config, params)) if merged else params_lib.base(s.config, params)
+    plain = jax.device_get(params_lib.folded(s.policy, params)) if merged else params_lib.base(s.policy, params)
     with export.writing(export_dir, overwrite) as out:
       export.save_hf(s.config.model, plain, out, tokenizer=s.tokenizer)
       if not merged:
-        params_lib.save_adapter(s.config, params, os.path.join(out, "adapter"))
+        params_lib.save_adapter(s.policy, params, os.path.join(out, "adapter"))
   loop.say(f"exported step {latest} to {export_dir}")
   return export_dir
 

@@ -52,7 +52,7 @@ def predict(s, params, workdir: str) -> tuple[str, dict]:
   c.data.eval_split, c.data.eval_batches = c.task.test_split, 0
   safe = "".join(ch if ch in string.ascii_letters + string.digits + "-_" else "_" for ch in c.task.test_split)
   path = os.path.join(workdir, f"predictions_{safe}.tsv")
-  texts = s.objective.predict_texts(c, params_lib.materialize(c, params), s.tokenizer, c.task.test_split,
+  texts = s.objective.predict_texts(c, params_lib.for_inference(s.policy, params), s.tokenizer, c.task.test_split,
                                     decoding.generate) if s.objective.predict_texts else None
   if texts is not None:   # decoded texts (free-form T5 targets): tabs and newlines inside them become spaces
     clean = lambda t: " ".join(t.split())
@@ -61,7 +61,7 @@ def predict(s, params, workdir: str) -> tuple[str, dict]:
     return path, {"test_exact_match": texts["exact_match"]} if scored else {}
   batches = pipeline.make_eval_iterator(c, s.tokenizer, s.objective, process_index=jax.process_index(),
                                         process_count=jax.process_count())
-  eval_step = step.make_eval_step(c, s.objective, s.state_sharding["params"], s.mesh)
+  eval_step = step.make_eval_step(s.policy, s.objective, s.state_sharding["params"], s.mesh)
   out = eval_outputs(eval_step, params, batches, s.mesh)
   found = predictions(out)
   keep = found["index"] >= 0

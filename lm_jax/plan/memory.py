@@ -171,7 +171,7 @@ def estimate(config, *, num_devices: int | None = None, mesh=None, layout=None) 
   params_sh, abstract_opt, opt_sh = state_sh["params"], abstract["opt_state"], state_sh["opt_state"]
 
   params, param_count = param_bytes(abstract["params"], params_sh)
-  mask = params_lib.trainable_mask(config)
+  mask = layout.policy.trainable
   trainable = param_bytes(params_lib.split(abstract["params"], mask)[0], params_lib.split(params_sh, mask)[0])[1]
   est = Estimate(mesh=mesh, rows=0, remat="", params=params, param_count=param_count,
                  opt_state=_sharded_bytes(abstract_opt, opt_sh), grads=4 * trainable, activations=0)

@@ -121,7 +121,7 @@ def build(config, workdir: str, devices=None, *, held: contextlib.ExitStack | No
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     initial = _initial_params(s, policy, value, reward_model)
   return Run(s, workdir, policy, value, reward_model, rewards.get(p.reward_fn) if p.reward_fn else None, prompts,
-             scoring.scoring_pass(c, value.config, reward_model, s.mesh), rollout.sampler(c), initial)
+             scoring.scoring_pass(s.policy, value.policy, reward_model, s.mesh), rollout.sampler(s.policy), initial)
 
 
 def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part, reward_model) -> dict:
@@ -129,7 +129,7 @@ def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part,
   value model's: the reward model's, or the policy's with a fresh head."""
   c = s.config
   seed = jax.random.fold_in(jax.random.key(c.seed), 0)
-  fresh = lambda part: jax.jit(lambda k: params_lib.init(part.config, k),
+  fresh = lambda part: jax.jit(lambda k: params_lib.init(part.policy, k),
                                out_shardings=part.sharding["params"])(seed)
   params = fresh(policy)
   if c.init_from:
@@ -138,8 +138,8 @@ def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part,
   reward = None
   if reward_model:
     reward = init_from.pretrained_params(_replace(c, model=reward_model, init_from=c.ppo.reward_from), s.mesh, s.rules)
-  source = params_lib.base(c, params) if reward is None else reward
-  value_params, _ = init_from.initial_params(value.config, fresh(value), params_lib.prepare(value.config, source))
+  source = params_lib.base(s.policy, params) if reward is None else reward
+  value_params, _ = init_from.initial_params(value.config, fresh(value), params_lib.from_pretrained(value.policy, source))
   put = lambda tree, part: jax.device_put(tree, part.sharding["params"])
   return {"policy": put(params, policy), "value": put(value_params, value), "reward_model": reward}
 
@@ -162,7 +162,7 @@ def initial_state(run: Run) -> dict:
 
   def train_state(part, params):
     params = jax.tree.map(jnp.copy, params)
-    return step.init_state(params, part.tx, params_lib.trainable_mask(part.config))
+    return step.init_state(params, part.tx, part.policy.trainable)
   state = {"policy": train_state(run.policy, run.initial["policy"]),
            "value": train_state(run.value, run.initial["value"]),
            "rng": jax.random.key_data(jax.random.fold_in(jax.random.key(c.seed), 1)),
