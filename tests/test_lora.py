@@ -16,8 +16,8 @@ import pytest
 from flax import linen as nn
 
 from conftest import REPO
-from lm_jax import (config_lib, decoding, defaults, hf, layout, models, objectives, params as params_lib, sharding, step,
-                    train)
+from lm_jax import (checkpoint_export, config_lib, decoding, defaults, hf, layout, models, objectives,
+                    params as params_lib, sharding, step, train)
 from lm_jax.hf import export
 from lm_jax.models import nf4
 from lm_jax.peft import lora
@@ -268,8 +268,8 @@ def test_trainer_trains_only_adapters_and_head_and_exports_peft(tmp_path, shared
     assert np.array_equal(leaf, _get(loaded, path)), jax.tree_util.keystr(path)
   adapters = jax.tree_util.tree_leaves_with_path(state["params"]["lora"])
   assert len(adapters) == 8 and all(np.abs(b).max() > 0 for p, b in adapters if p[-1].key == "b")   # trained
-  train.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "export"))
-  train.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "merged"), merged=True)
+  checkpoint_export.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "export"))
+  checkpoint_export.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "merged"), merged=True)
   saved = json.loads((tmp_path / "export" / "adapter" / "adapter_config.json").read_text())
   assert saved["modules_to_save"] == ["classifier"] and saved["r"] == 4
   adapted = load_peft(load_hf("bert", str(tmp_path / "export")), str(tmp_path / "export" / "adapter"))
