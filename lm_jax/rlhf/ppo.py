@@ -138,7 +138,8 @@ def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part,
   if reward_model:
     reward = init_from.pretrained_params(_replace(c, model=reward_model, init_from=c.ppo.reward_from), s.mesh, s.rules)
   source = params_lib.base(s.policy, params) if reward is None else reward
-  value_params, _ = init_from.initial_params(value.config, fresh(value), params_lib.from_pretrained(value.policy, source))
+  pretrained = params_lib.from_pretrained(value.policy, source)
+  value_params, _ = init_from.initial_params(value.config, fresh(value), pretrained)
   put = lambda tree, part: jax.device_put(tree, part.sharding["params"])
   return {"policy": put(params, policy), "value": put(value_params, value), "reward_model": reward}
 
