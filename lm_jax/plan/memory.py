@@ -6,7 +6,7 @@ params, optimizer state: exact. The train state's abstract params and optimizer 
   placed by the trainer's own rules (sharding.logical_to_sharding, opt_state_sharding) on an AbstractMesh of the
   requested sizes; bytes = sum of shard sizes, also shown per parameter (NF4-quantised weights, lm_jax.models.nf4,
   count as the weights they stand for: ~0.516 bytes each).
-gradients: float32 copy of the trainable params' shards (step.py casts them; params.trainable_mask: frozen
+gradients: float32 copy of the trainable params' shards (step.py casts them; the params Policy's trainable mask: frozen
   params, LoRA's base and its NF4 weights get none), twice with microbatches (accumulator plus the current
   microbatch's gradient).
 activations: analytic, what the backward pass keeps per layer (Korthikanti et al. 2022, "Reducing
