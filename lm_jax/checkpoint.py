@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import re
-import signal
 import time
 from typing import Any, NamedTuple
 
@@ -25,7 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from lm_jax import params as params_lib
+from lm_jax import distributed, params as params_lib
 from lm_jax.data import mixture
 from lm_jax.obs import metrics_log
 
@@ -147,7 +146,7 @@ def _save_errors(mngr):
     yield
   except Exception as e:  # orbax and TensorStore raise ValueError, OSError or plain Exception
     try:
-      if jax.process_index() == 0:
+      if distributed.is_lead():
         _remove_temporary(mngr.directory)
       mngr.reload()  # the steps on disk: orbax has already forgotten the ones it would delete after this save
       last = mngr.latest_step()
@@ -367,39 +366,11 @@ def data_changes(saved: dict, config) -> list[str]:
   return changes
 
 
-class Preemption:
-  """SIGTERM (a preemption notice) sets a flag; the trainer saves after the current step and exits 0."""
-
-  def __init__(self):
-    self.requested, self._previous = False, None
-
-  def __enter__(self):
-    try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread: leave signals alone
-      pass
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-  def any_process(self) -> bool:
-    """Whether any host received SIGTERM (all hosts must stop at the same step)."""
-    if jax.process_count() == 1:
-      return self.requested
-    return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
-
-
 # -------------------------------------------------------------------------------------------------- best checkpoint
 def copy_tokenizers(workdir, to):
   """The run's trained tokenizers (workdir/tokenizer_*.model) into `to`, a workdir of its own that later runs read
   like any other (WORKDIR/best, PPO's WORKDIR/policy). Process 0 writes."""
-  if jax.process_index() == 0:
+  if distributed.is_lead():
     for tokenizer in epath.Path(workdir).glob("tokenizer_*.model"):
       tokenizer.copy(epath.Path(to) / tokenizer.name, overwrite=True)
 
@@ -441,7 +412,7 @@ class Best:
     save(self.mngr, record["step"], state, data_state, config)
     finish(self.mngr)
     copy_tokenizers(self.workdir, self.dir)
-    if jax.process_index() == 0:
+    if distributed.is_lead():
       self._record_path.write_text(json.dumps(record))
     self.record = record
     return True

@@ -80,3 +80,9 @@ def maybe_initialize() -> str:
   else:
     jax.distributed.initialize()
   return kind
+
+
+def is_lead() -> bool:
+  """Whether this process is the one that writes what the run shares (console lines, logs, files in the workdir,
+  exports): process 0. Every host runs the same program; the others only compute."""
+  return jax.process_index() == 0

@@ -153,8 +153,8 @@ def pretrained_params(config, mesh, rules) -> dict:
   finally:
     mngr.close()
   params = restored.state["params"]
-  if params_lib.method(source):   # an adapter run's model is its merged one (NF4 kernels dequantised)
-    params = jax.jit(lambda p: params_lib.merged(source, p))(params)
+  if lay.policy.method:   # an adapter run's model is its merged one (NF4 kernels dequantised)
+    params = jax.jit(lambda p: params_lib.folded(lay.policy, p))(params)
   return relayout.relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
 
 
@@ -211,7 +211,7 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
 def start_params(config, fresh: dict, mesh, rules, params_sharding) -> tuple[dict, str]:
   """(params placed by params_sharding, a one-line report): a fresh run's first params, config.init_from's where
   they fit (initial_params); the optimizer states stay zeros."""
-  pretrained = params_lib.prepare(config, pretrained_params(config, mesh, rules))
+  pretrained = params_lib.from_pretrained(config, pretrained_params(config, mesh, rules))
   params, report = initial_params(config, fresh, pretrained)
   return jax.device_put(params, params_sharding), report
 
@@ -246,7 +246,7 @@ def restore_params(s, source: str) -> tuple[dict, int]:
   """(params placed on the mesh, step) of eval_source's `source` for s (the train.Setup of eval_source's config):
   a Hugging Face directory's weights (step 0), or the latest checkpoint in a workdir."""
   if source == s.config.init_from and is_hf(source):
-    params = params_lib.prepare(s.config, pretrained_params(s.config, s.mesh, s.rules), fill=True)
+    params = params_lib.from_pretrained(s.policy, pretrained_params(s.config, s.mesh, s.rules), fill=True)
     return jax.device_put(params, s.state_sharding["params"]), 0
   mngr = checkpoint.manager(source, s.config.keep_checkpoints, read_only=True)
   with jax.set_mesh(s.mesh):

@@ -16,8 +16,9 @@ from lm_jax import objectives, optim, params as params_lib, sharding, step
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """The run's optimizer and abstract train state on its mesh (built once per run by `build`)."""
+  """The run's params policy, optimizer and abstract train state on its mesh (built once per run by `build`)."""
   config: object
+  policy: params_lib.Policy  # what the params are and what of them trains, resolved once
   objective: objectives.Objective
   mesh: object               # jax.sharding.Mesh, or an AbstractMesh to plan without the devices
   rules: tuple               # logical axis -> mesh axes
@@ -30,12 +31,12 @@ class Layout:
 def build(config, mesh, rules=None) -> Layout:
   """The layout of `config` on `mesh` (rules: default config's own, sharding.rules)."""
   rules = sharding.rules(config) if rules is None else rules
-  logical = params_lib.logical_axes(config)   # the model's, plus the adapters of an adapter method
-  tx, lr = optim.make(config, logical)
-  abstract_params = params_lib.abstract(config)
+  policy = params_lib.resolve(config)
+  logical = params_lib.logical_axes(policy)   # the model's, plus the adapters of an adapter method
+  tx, lr = optim.make(policy, logical)
+  abstract_params = params_lib.abstract(policy)
   params_sh = sharding.logical_to_sharding(logical, mesh, rules)
-  trainable = params_lib.trainable_mask(config)
-  abstract = jax.eval_shape(lambda p: step.init_state(p, tx, trainable), abstract_params)
+  abstract = jax.eval_shape(lambda p: step.init_state(p, tx, policy.trainable), abstract_params)
   opt_sh = sharding.opt_state_sharding(abstract["opt_state"], abstract_params, params_sh, mesh)
   state_sh = {"params": params_sh, "opt_state": opt_sh, "step": NamedSharding(mesh, P())}
-  return Layout(config, objectives.get(config.objective), mesh, rules, tx, lr, abstract, state_sh)
+  return Layout(config, policy, objectives.get(config.objective), mesh, rules, tx, lr, abstract, state_sh)

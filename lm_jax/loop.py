@@ -13,23 +13,32 @@ included), with evaluations, saves and the loop's own work left out. A pause fir
 the device: their time is step time, not pause (without the wait, an eval's window would report the queued steps' work
 done in no time). config.profile traces chosen steps (lm_jax.obs.profiling).
 
+What every trainer sets up around its loop and tears down after it is one context manager, `session`: the mesh and
+logical rules, the checkpoint managers, the goodput ledger, the metrics log, and at a clean end the final saves
+awaited, the managers closed, the goodput line and the log closed, the data iterators closed. (The workdir's lock is
+taken earlier, by train.setup, once the config is valid.) SIGTERM is handled by `Preemption` inside `run`.
+
 Dependencies: checkpoint, goodput, metrics_log, profiling; the trainers (train, rlhf) build on this module.
 """
 import contextlib
 import dataclasses
 import math
+import signal
 import time
 from typing import Callable
 
 import jax
+import numpy as np
+from flax import linen as nn
+from jax.experimental import multihost_utils
 
-from lm_jax import checkpoint
+from lm_jax import checkpoint, distributed
 from lm_jax.obs import goodput, metrics_log, profiling
 
 
 def say(line: str):
   """Console output from process 0 only (every host runs the loop)."""
-  if jax.process_index() == 0:
+  if distributed.is_lead():
     print(line, flush=True)
 
 
@@ -103,7 +112,7 @@ def run(s: Schedules, step: Callable, state, start: int, end: int) -> tuple[obje
   profiler = profiling.Profiler(c, s.log.workdir)
   if start >= end:
     say(f"nothing to do: checkpoint {unit} {start} >= end {unit} {end}")
-  with checkpoint.Preemption() as preemption:
+  with Preemption() as preemption:
     for i in range(start + 1, end + 1):
       with profiler.step(i):
         state, metrics = step(state, i)
@@ -149,11 +158,80 @@ def run(s: Schedules, step: Callable, state, start: int, end: int) -> tuple[obje
   return state, result
 
 
-def finish(log: metrics_log.MetricsLog, ledger: goodput.Ledger):
-  """Ends a trainer's run: the goodput line on the console, its numbers in W&B's summary, the log closed."""
-  summary = ledger.summary()
-  say(goodput.line(summary))
-  log.close(summary)
+class Session:
+  """What a trainer's run holds from its restore to its end (made by `session`)."""
+
+  def __init__(self, workdir: str, config, ledger: goodput.Ledger):
+    self.workdir, self.config, self.ledger, self.log = workdir, config, ledger, None
+    self.mngr = checkpoint.manager(workdir, config.keep_checkpoints)   # the run's checkpoints
+    self._managers, self._closing = [self.mngr], []
+
+  def adopt(self, mngr):
+    """Another checkpoint manager of the run (PPO's policy workdir): its saves awaited and closed at the end."""
+    self._managers.append(mngr)
+    return mngr
+
+  def closes(self, thing):
+    """A data iterator (or None) to close at the end."""
+    if thing is not None:
+      self._closing.append(thing)
+    return thing
+
+  def open_log(self, start: int) -> metrics_log.MetricsLog:
+    """The run's metrics log, from `start` (the restored step: later records of an earlier run are dropped)."""
+    self.log = metrics_log.MetricsLog(self.workdir, start, config=self.config)
+    return self.log
+
+  def _end(self):
+    for mngr in self._managers:
+      with self.ledger.timing("checkpoint"):
+        checkpoint.finish(mngr)
+      mngr.close()
+    summary = self.ledger.summary()
+    say(goodput.line(summary))   # on the console; its numbers in W&B's summary
+    self.log.close(summary)
+    for thing in self._closing:
+      thing.close()
+
+
+@contextlib.contextmanager
+def session(workdir: str, s, ledger: goodput.Ledger | None = None):
+  """A trainer's run in `workdir` on s (its layout: config, mesh, rules): yields its Session inside the mesh and
+  logical rules. On a clean exit the final saves are awaited and every manager, the log (after the goodput line)
+  and the data iterators are closed; an error leaves them as a crash would (the saves already complete are kept).
+  ledger: the run's time from its start (default: from here)."""
+  run = Session(workdir, s.config, ledger or goodput.Ledger())
+  with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+    yield run
+    run._end()
+
+
+class Preemption:
+  """SIGTERM (a preemption notice) sets a flag; the trainer saves after the current step and exits 0."""
+
+  def __init__(self):
+    self.requested, self._previous = False, None
+
+  def __enter__(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread: leave signals alone
+      pass
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+  def any_process(self) -> bool:
+    """Whether any host received SIGTERM (all hosts must stop at the same step)."""
+    if jax.process_count() == 1:
+      return self.requested
+    return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
 
 
 def _evaluate(s: Schedules, state, i: int, end: int) -> dict:

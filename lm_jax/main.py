@@ -120,28 +120,29 @@ def _run(config, mode):
     return
   if not _WORKDIR.value:
     raise app.UsageError(f"--workdir is required for --mode={mode}")
-  from lm_jax import checkpoint, distributed, train
+  from lm_jax import checkpoint, distributed, workdir_lock
   distributed.maybe_initialize()
   checkpoint.bound_storage_retries(config.storage_retry_s)
-  with train.removed_if_unused(_WORKDIR.value):   # a run that stops at start leaves no workdir it created
+  with workdir_lock.removed_if_unused(_WORKDIR.value):   # a run that stops at start leaves no workdir it created
     _run_in_workdir(config, mode)
 
 
 def _run_in_workdir(config, mode):
-  from lm_jax import objectives, train
+  from lm_jax import checkpoint_export, objectives, train
+  from lm_jax.evals import run_eval
   from lm_jax.rlhf import ppo
   if mode == "train":
     trainer = ppo.train if objectives.get(config.objective).rollouts else train.train
     trainer(config, _WORKDIR.value)
   elif mode == "eval":
-    train.evaluate_checkpoint(config, _WORKDIR.value)
+    run_eval.evaluate_checkpoint(config, _WORKDIR.value)
   elif mode == "fill_mask":
     _print_fills(config)
   elif mode == "generate":
     _print_generations(config)
   elif mode == "predict":
     from lm_jax.evals import predict
-    s, params, _ = train.restore_params(config, _WORKDIR.value)
+    s, params, _ = run_eval.restore_params(config, _WORKDIR.value)
     path, metrics = predict.predict(s, params, _WORKDIR.value)
     print(f"predictions: {path}" + "".join(f" | {k} {v:.4f}" for k, v in metrics.items()), flush=True)
   elif mode == "zeroshot":
@@ -153,7 +154,7 @@ def _run_in_workdir(config, mode):
   else:
     if not _EXPORT_DIR.value:
       raise app.UsageError("--export_dir is required for --mode=export")
-    train.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value, merged=_EXPORT_MERGED.value,
+    checkpoint_export.export_checkpoint(config, _WORKDIR.value, _EXPORT_DIR.value, merged=_EXPORT_MERGED.value,
                             overwrite=_OVERWRITE.value)
 
 

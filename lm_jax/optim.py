@@ -120,11 +120,13 @@ def scale_updates(scales) -> optax.GradientTransformation:
       lambda updates, state, params=None: (jax.tree.map(lambda u, k: (u * k).astype(u.dtype), updates, scales), state))
 
 
-def make(config, logical_axes):
-  """Returns (optax transformation, lr schedule) for config.optimizer; logical_axes from lm_jax.models. The
-  transformation is over the trainable params only (params.trainable_mask), with config.finetune.layer_decay's
-  per-layer learning rates when it is below 1."""
-  logical_axes = params_lib.split(logical_axes, params_lib.trainable_mask(config))[0]
+def make(policy, logical_axes):
+  """Returns (optax transformation, lr schedule) for config.optimizer; policy: the run's params.Policy (a config is
+  resolved); logical_axes from lm_jax.models. The transformation is over the trainable params only
+  (policy.trainable), with config.finetune.layer_decay's per-layer learning rates when it is below 1."""
+  policy = params_lib.resolve(policy)
+  config = policy.config
+  logical_axes = params_lib.split(logical_axes, policy.trainable)[0]
   opt = config.optimizer
   if opt.name not in OPTIMIZERS:
     raise ValueError(f"config.optimizer.name={opt.name!r} unknown; use one of {', '.join(OPTIMIZERS)}")
@@ -137,7 +139,6 @@ def make(config, logical_axes):
   else:
     tx = adam(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, decay_mask(logical_axes), opt.clip_norm,
               bias_correction=opt.name != "bert_adamw")
-  layer_decay = params_lib.layer_decay(config)
-  if layer_decay != 1.0:
-    tx = optax.chain(tx, scale_updates(layer_lr_scales(logical_axes, config.model.num_layers, layer_decay)))
+  if policy.layer_decay != 1.0:
+    tx = optax.chain(tx, scale_updates(layer_lr_scales(logical_axes, config.model.num_layers, policy.layer_decay)))
   return tx, lr

@@ -2,18 +2,24 @@
 
 - What the params are: the model's (models.init), plus, with an adapter method (config.lora, config.ia3:
   lm_jax/peft/methods.py), its adapters under the method's params key, and the frozen base in the method's storage
-  (QLoRA's NF4). init / abstract / logical_axes give them; `prepare` puts pre-trained plain params in that form.
-- What trains (trainable_mask, split / merge): with a method, its adapters and config.<method>.modules_to_save;
+  (QLoRA's NF4). init / abstract / logical_axes give them; `from_pretrained` puts pre-trained plain params in that
+  form.
+- What trains (Policy.trainable, split / join): with a method, its adapters and config.<method>.modules_to_save;
   else all but the params config.finetune.freeze matches (regexes over '/'-joined paths, layers named as when
   looped: 'word_embeddings/embedding', 'layers_3/mlp/wi/kernel') and DPO's frozen reference copy
   (model.frozen_reference). The step differentiates only the trainable part and the optimizer keeps state only for
   it, while checkpoints hold every parameter.
 - The layer-wise lr: finetune.layer_decay < 1 gives layer i lr * decay^(num_layers - i) (optim.layer_lr_scales).
-- How they run: the step runs the adapters unmerged inside `running`; eval, decoding, export and a next stage's
-  init_from read plain params (materialize, merged, base). save_adapter writes the adapters in the PEFT format.
+- How they run: the step runs the adapters unmerged inside `running`; eval and decoding read plain params in the
+  compute dtype (for_inference), export and a next stage's init_from in the stored dtype (folded, base). save_adapter
+  writes the adapters in the PEFT format.
+The policy is resolved from the config once (`resolve`: which method is on, what trains, the dtypes) and held by the
+run's layout; every function here takes that Policy as `run` (a config is resolved on the spot, for one-off callers).
 The step, the trainer, PPO and DPO call this module and never a method by name.
 """
 import contextlib
+import dataclasses
+import functools
 import math
 import re
 
@@ -37,23 +43,52 @@ def _active(config):
   return methods.METHODS[on[0]] if on else None
 
 
-def method(config) -> str | None:
-  """The config group of the adapter method config turns on ('lora', 'ia3'), or None."""
-  m = _active(config)
-  return None if m is None else m.NAME
+@dataclasses.dataclass(frozen=True, eq=False)
+class Policy:
+  """A run's params policy, resolved from its config once (`resolve`) and held by its layout (lm_jax.layout)."""
+  config: object        # the run's config: the model and the method group the method's functions read
+  adapter: object       # the adapter method module that is on (lm_jax/peft/methods.py), or None for plain params
+  layer_decay: float    # config.finetune.layer_decay (1.0 = every layer at the same lr)
+  param_dtype: object   # model.param_dtype: what `base` and `folded` give (export, a next stage)
+  compute_dtype: object   # model.dtype: what `for_inference` gives (eval, decoding)
+
+  @property
+  def method(self) -> str | None:
+    """The config group of the adapter method that is on ('lora', 'ia3'), or None."""
+    return None if self.adapter is None else self.adapter.NAME
+
+  @functools.cached_property
+  def trainable(self) -> dict | None:
+    """Bool tree over the run's params (in its layout): True for those that train; None when all do. Built at its
+    first use (layout.build asks), then held."""
+    return _trainable_mask(self)
 
 
-def without_adapters(config, params: dict) -> dict:
+def resolve(run) -> Policy:
+  """The Policy of a config (`run` a Policy: itself)."""
+  if isinstance(run, Policy):
+    return run
+  return Policy(run, _active(run), _layer_decay(run), layers.dtype(run.model.param_dtype),
+                layers.dtype(run.model.dtype))
+
+
+def method(run) -> str | None:
+  """The config group of the adapter method that is on ('lora', 'ia3'), or None."""
+  return resolve(run).method
+
+
+def without_adapters(run, params: dict) -> dict:
   """The run's params without the method's adapters, the base in its storage (DPO's reference): no copy, no
   dequantising."""
-  m = _active(config)
+  m = resolve(run).adapter
   return params if m is None else {k: v for k, v in params.items() if k != m.KEY}
 
 
 # ----------------------------------------------------------------------------------------------- what they are
-def init(config, rng: jax.Array) -> dict:
+def init(run, rng: jax.Array) -> dict:
   """Fresh params of the run: models.init(config.model), with a method its adapters and the base in its storage."""
-  m = _active(config)
+  p = resolve(run)
+  config, m = p.config, p.adapter
   if m is None:
     return models.init(config.model, rng)
   targets.kernels(config, config[m.NAME])   # outside the trace: validates config.model, caches the targets
@@ -64,16 +99,16 @@ def init(config, rng: jax.Array) -> dict:
 _ABSTRACT = {}   # (model json, method, method group json) -> abstract params: start-up asks for them several times
 
 
-def abstract(config) -> dict:
+def abstract(run) -> dict:
   """ShapeDtypeStructs of the run's params (shared: do not mutate)."""
-  m = _active(config)
-  if m is None:
-    return models.abstract_params(config.model)
-  key = (config.model.to_json(), m.NAME, config[m.NAME].to_json())
+  p = resolve(run)
+  if p.adapter is None:
+    return models.abstract_params(p.config.model)
+  key = (p.config.model.to_json(), p.method, p.config[p.method].to_json())
   if key not in _ABSTRACT:
     if len(_ABSTRACT) >= 16:
       _ABSTRACT.pop(next(iter(_ABSTRACT)))
-    _ABSTRACT[key] = jax.eval_shape(lambda: init(config, jax.random.key(0)))
+    _ABSTRACT[key] = jax.eval_shape(lambda: init(p, jax.random.key(0)))
   return _ABSTRACT[key]
 
 
@@ -84,22 +119,24 @@ def _storage_axes(abstract_tree, specs):
   return {k: _storage_axes(abstract_tree[k], v) for k, v in specs.items()}
 
 
-def logical_axes(config) -> dict:
+def logical_axes(run) -> dict:
   """Logical PartitionSpecs of the run's params, the adapters' included."""
-  specs = models.logical_axes(config.model)
-  m = _active(config)
-  if m is None:
+  p = resolve(run)
+  specs = models.logical_axes(p.config.model)
+  if p.adapter is None:
     return specs
-  return {**_storage_axes(without_adapters(config, abstract(config)), specs), m.KEY: m.logical_axes(config)}
+  return {**_storage_axes(without_adapters(p, abstract(p)), specs), p.adapter.KEY: p.adapter.logical_axes(p.config)}
 
 
-def prepare(config, pretrained: dict, fill: bool = False) -> dict:
-  """Pre-trained plain params in the run's storage, with the adapters and modules_to_save of the method's PEFT
-  directory (config.<method>.init_from); with `fill`, fresh adapters (seed config.seed) when there is none."""
-  m = _active(config)
+def from_pretrained(run, pretrained: dict, fill: bool = False) -> dict:
+  """Pre-trained plain params put in the run's storage (NF4 for QLoRA), with the adapters and modules_to_save of
+  the method's PEFT directory (config.<method>.init_from); with `fill`, fresh adapters (seed config.seed) when there
+  is none. Plain params as they are without a method."""
+  p = resolve(run)
+  config, m = p.config, p.adapter
   if m is None:
     return pretrained
-  params = jax.jit(lambda p: m.quantize(config, p))(pretrained)
+  params = jax.jit(lambda t: m.quantize(config, t))(pretrained)
   if config[m.NAME].init_from:
     params = targets.overlay(params, m.load(config, config[m.NAME].init_from))
   elif fill:
@@ -109,15 +146,16 @@ def prepare(config, pretrained: dict, fill: bool = False) -> dict:
 
 # -------------------------------------------------------------------------------------------------- how they run
 @contextlib.contextmanager
-def running(config, *, train: bool):
+def running(run, *, train: bool):
   """Within it (inside a traced function), models.apply runs the run's params as they are: adapters unmerged
   beside their frozen kernels (NF4 ones dequantised in their matmuls), the method's dropout only when `train`. On
   exit, a ValueError if an adapter of the run was never applied."""
-  m = _active(config)
+  p = resolve(run)
+  m = p.adapter
   if m is None:
     yield
     return
-  fn, applied = m.hook(config, train=train), set()
+  fn, applied = m.hook(p.config, train=train), set()
 
   def adapt(module, x, dense):
     applied.add(module.path)
@@ -125,40 +163,39 @@ def running(config, *, train: bool):
 
   with models.adapter(adapt, m.KEY):
     yield
-  missing = sorted("/".join(p) for p in m.adapted(config) if p not in applied)
+  missing = sorted("/".join(a) for a in m.adapted(p.config) if a not in applied)
   if missing:
     raise ValueError(f"{m.NAME} adapters of {', '.join(missing)} were never applied: the model ran no Dense there")
 
 
-def base(config, params: dict) -> dict:
+def base(run, params: dict) -> dict:
   """The base model's plain params: adapters dropped, NF4 kernels dequantised to model.param_dtype."""
-  m = _active(config)
-  return params if m is None else m.dequantize(config, without_adapters(config, params),
-                                              layers.dtype(config.model.param_dtype))
+  p = resolve(run)
+  return params if p.adapter is None else p.adapter.dequantize(p.config, without_adapters(p, params), p.param_dtype)
 
 
-def merged(config, params: dict) -> dict:
-  """The model a run trained, as plain params in model.param_dtype: `base` with the adapters merged in (what
-  --export_merged writes and a next stage's init_from reads); params as they are without a method."""
-  m = _active(config)
-  return params if m is None else m.fold(config, base(config, params), params[m.KEY])
+def folded(run, params: dict) -> dict:
+  """The model a run trained, as plain params in model.param_dtype: `base` with the adapters folded into their
+  kernels (what --export_merged writes and a next stage's init_from reads); params as they are without a method."""
+  p = resolve(run)
+  return params if p.adapter is None else p.adapter.fold(p.config, base(p, params), params[p.adapter.KEY])
 
 
-def materialize(config, params: dict) -> dict:
-  """Plain params for eval and decoding: adapters merged into their kernels, NF4 kernels dequantised to
-  model.dtype; params as they are without a method. Jittable."""
-  m = _active(config)
-  if m is None:
+def for_inference(run, params: dict) -> dict:
+  """Plain params for eval and decoding: the adapters folded into their kernels, NF4 kernels dequantised to the
+  compute dtype model.dtype; params as they are without a method. Jittable."""
+  p = resolve(run)
+  if p.adapter is None:
     return params
-  plain = m.dequantize(config, without_adapters(config, params), layers.dtype(config.model.dtype))
-  return m.fold(config, plain, params[m.KEY])
+  plain = p.adapter.dequantize(p.config, without_adapters(p, params), p.compute_dtype)
+  return p.adapter.fold(p.config, plain, params[p.adapter.KEY])
 
 
-def save_adapter(config, params: dict, directory: str):
+def save_adapter(run, params: dict, directory: str):
   """The adapters and modules_to_save of host params in the PEFT format in `directory`; nothing without a method."""
-  m = _active(config)
-  if m is not None:
-    m.save(config, params, directory)
+  p = resolve(run)
+  if p.adapter is not None:
+    p.adapter.save(p.config, params, directory)
 
 
 # ------------------------------------------------------------------------------------------------- what trains
@@ -169,7 +206,7 @@ def _patterns(config) -> tuple:
   return (tuple(group.get("freeze", ())) if group is not None else ()) + reference
 
 
-def layer_decay(config) -> float:
+def _layer_decay(config) -> float:
   """config.finetune.layer_decay (1.0 = every layer at the same lr), 1.0 for configs without the field."""
   group = config.get("finetune")
   return float(group.get("layer_decay", 1.0)) if group is not None else 1.0
@@ -194,7 +231,7 @@ def _layer_stacks(config) -> set:
 def check(config):
   """One-line ValueError naming the config.finetune / config.lora / config.ia3 field that cannot apply to
   config.model."""
-  m = _active(config)
+  m = resolve(config).adapter
   plain = defaults.base_config()
   for name, method in methods.METHODS.items():   # a group left at its defaults has nothing to check
     if method is m or (name in config and config[name].to_dict() != plain[name].to_dict()):
@@ -203,7 +240,7 @@ def check(config):
   if m is not None and config.finetune.freeze:
     raise ValueError(f"config.finetune.freeze and config.{m.NAME} exclude each other: with an adapter method only "
                      f"the adapters and config.{m.NAME}.modules_to_save train")
-  decay = layer_decay(config)
+  decay = _layer_decay(config)
   if not 0 < decay <= 1:
     raise ValueError(f"config.finetune.layer_decay must be in (0, 1] (1 = off), got {decay}")
   nested = sorted("/".join(p) for p in _layer_stacks(config) if p)
@@ -224,16 +261,20 @@ def check(config):
                          f"{next(iter(frozen))!r}, {next(p for p in frozen if p.startswith('layers_'))!r})")
     if all(frozen.values()):
       raise ValueError(f"config.finetune.freeze={patterns!r} freezes every parameter")
-    trainable_mask(config)
+    _trainable_mask(resolve(config))
 
 
-def trainable_mask(config) -> dict | None:
+def trainable_mask(run) -> dict | None:
   """Bool tree over the run's params (in its layout): True for those that train; None when all do."""
-  m = _active(config)
+  return resolve(run).trainable
+
+
+def _trainable_mask(p: Policy) -> dict | None:
+  config, m = p.config, p.adapter
   if m is not None:
-    tree = abstract(config)
+    tree = abstract(p)
     adapters = jax.tree.map(lambda _: True, tree[m.KEY])
-    return {**targets.saved_mask(config, m.NAME, without_adapters(config, tree)), m.KEY: adapters}
+    return {**targets.saved_mask(config, m.NAME, without_adapters(p, tree)), m.KEY: adapters}
   patterns = _patterns(config)
   if not patterns:
     return None
@@ -250,13 +291,14 @@ def trainable_mask(config) -> dict | None:
   return mask
 
 
-def check_fresh(config, fresh: set):
+def check_fresh(run, fresh: set):
   """One-line ValueError when a parameter that starts at its fresh init (`fresh`: paths in the run's params, e.g. a
   new task head that config.init_from's model lacks) would not train: it would stay random for the whole run."""
-  mask = trainable_mask(config)
+  policy = resolve(run)
+  config, mask = policy.config, policy.trainable
   frozen = sorted("/".join(p) for p in fresh if mask is not None and not _trains(mask, p))
   if frozen:
-    m, keys = _active(config), sorted({p.split("/")[0] for p in frozen})
+    m, keys = policy.adapter, sorted({p.split("/")[0] for p in frozen})
     field = f"config.{m.NAME}.modules_to_save" if m else "config.finetune.freeze"
     fix = (f"add {', '.join(f'^{k}/' for k in keys)!r} to it" if m else "leave them out of it")
     raise ValueError(f"{', '.join(frozen)} start at a fresh init (config.init_from={config.init_from!r} has no such "
@@ -286,21 +328,22 @@ def split(tree: dict, mask: dict | None) -> tuple[dict, dict]:
   return trainable, frozen
 
 
-def merge(a: dict, b: dict) -> dict:
-  """The union of two disjoint nested dicts (inverse of split)."""
+def join(a: dict, b: dict) -> dict:
+  """The union of two disjoint nested dicts: split's (trainable, frozen) parts joined back into one tree."""
   out = dict(a)
   for k, v in b.items():
-    out[k] = merge(out[k], v) if k in out else v
+    out[k] = join(out[k], v) if k in out else v
   return out
 
 
-def count(config) -> tuple[int, int]:
+def count(run) -> tuple[int, int]:
   """(trainable, total) parameters of the run: with a method, its adapters plus modules_to_save, of the model
   plus its adapters."""
-  m = _active(config)
+  p = resolve(run)
+  config, m = p.config, p.adapter
   model = models.abstract_params(config.model)
   if m is None:
-    return models.count(split(model, trainable_mask(config))[0]), models.count(model)
+    return models.count(split(model, p.trainable)[0]), models.count(model)
   saved = sum(math.prod(a.shape) for p, a in models.looped_params(config.model)[0].items()
               if targets.trains_fully(config[m.NAME], p))
   adapters = models.count(jax.eval_shape(lambda: m.init(config, jax.random.key(0))))

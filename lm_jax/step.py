@@ -13,16 +13,18 @@ from lm_jax import params as params_lib, sharding
 
 
 def init_state(params, tx, trainable=None) -> dict:
-  """trainable: params.trainable_mask (None = every param trains); frozen params get no optimizer state."""
+  """trainable: the params Policy's trainable mask (None = every param trains); frozen params get no optimizer
+  state."""
   return {"params": params, "opt_state": tx.init(params_lib.split(params, trainable)[0]),
           "step": jnp.zeros((), jnp.int32)}
 
 
-def fresh_state(config, tx, state_sharding) -> dict:
-  """Fresh train state, initialised directly into its shardings."""
-  key = jax.random.fold_in(jax.random.key(config.seed), 0)
-  trainable = params_lib.trainable_mask(config)
-  init = lambda k: init_state(params_lib.init(config, k), tx, trainable)
+def fresh_state(policy, tx, state_sharding) -> dict:
+  """Fresh train state, initialised directly into its shardings (policy: the run's params.Policy; a config is
+  resolved)."""
+  policy = params_lib.resolve(policy)
+  key = jax.random.fold_in(jax.random.key(policy.config.seed), 0)
+  init = lambda k: init_state(params_lib.init(policy, k), tx, policy.trainable)
   return jax.jit(init, out_shardings=state_sharding)(key)
 
 
@@ -35,18 +37,19 @@ def _split(batch, n, mesh):
   return jax.tree.map(split, batch)
 
 
-def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
-  """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars. Only the
-  trainable params (params.trainable_mask) are differentiated and updated; frozen ones pass through as they are.
-  Adapters run unmerged beside their frozen kernels (params.running), NF4 kernels dequantised inside their
-  matmuls."""
+def make_train_step(policy, objective, tx, lr_schedule, state_sharding, mesh):
+  """Jitted (state, batch) -> (state, metrics); state donated, metrics replicated float32 scalars. policy: the run's
+  params.Policy (a config is resolved). Only the trainable params (policy.trainable) are differentiated and
+  updated; frozen ones pass through as they are. Adapters run unmerged beside their frozen kernels
+  (params.running), NF4 kernels dequantised inside their matmuls."""
+  policy = params_lib.resolve(policy)
+  config, trainable_mask = policy.config, policy.trainable
   n = config.microbatches
   seed_key = jax.random.key(config.seed)
-  trainable_mask = params_lib.trainable_mask(config)
 
   def loss_fn(params, frozen, batch, den, rng):
-    full = params_lib.merge(params, frozen)
-    with params_lib.running(config, train=True):
+    full = params_lib.join(params, frozen)
+    with params_lib.running(policy, train=True):
       return objective.loss(config, full, batch, den, rng=rng, train=True)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -71,7 +74,7 @@ def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = jnp.asarray(lr_schedule(state["step"]), jnp.float32)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
-    new_params = params_lib.merge(optax.apply_updates(params, updates), frozen)
+    new_params = params_lib.join(optax.apply_updates(params, updates), frozen)
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
     return new_state, metrics
 
@@ -80,13 +83,16 @@ def make_train_step(config, objective, tx, lr_schedule, state_sharding, mesh):
                  out_shardings=(state_sharding, replicated), donate_argnums=0)
 
 
-def make_eval_step(config, objective, params_sharding, mesh):
+def make_eval_step(policy, objective, params_sharding, mesh):
   """Jitted (params, batch) -> (metrics of that batch (loss, token_loss, accuracies), its denominators,
-  per-example outputs of objective.predict ({} without)), no dropout; lm_jax.evals.evaluate turns them into corpus-level
-  totals."""
+  per-example outputs of objective.predict ({} without)), no dropout; lm_jax.evals.evaluate turns them into
+  corpus-level totals. policy: the run's params.Policy (a config is resolved)."""
+  policy = params_lib.resolve(policy)
+  config = policy.config
+
   def step(params, batch):
     den = objective.denominators(batch)
-    with params_lib.running(config, train=False):   # as in training: an adapter DPO run's reference is its base
+    with params_lib.running(policy, train=False):   # as in training: an adapter DPO run's reference is its base
       _, metrics = objective.loss(config, params, batch, den, rng=None, train=False)
       outputs = objective.predict(config, params, batch) if objective.predict else {}
     return (*jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), (metrics, den)), outputs)

@@ -26,6 +26,8 @@ import errno
 import fcntl
 import json
 import os
+import pathlib
+import shutil
 import socket
 import threading
 import time
@@ -34,7 +36,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lm_jax import storage
+from lm_jax import distributed, storage
 from lm_jax.obs import metrics_log
 
 NAME = "run.lock"
@@ -50,7 +52,7 @@ class WorkdirInUse(OSError):
 def hold(workdir: str):
   """Holds workdir's lock for the block; WorkdirInUse (on every process) when another run holds it."""
   f, error = None, None
-  if jax.process_index() == 0:
+  if distributed.is_lead():
     try:
       if not storage.is_remote(workdir):
         f = _acquire(os.path.join(workdir, NAME))
@@ -70,6 +72,36 @@ def hold(workdir: str):
   finally:
     if f is not None:
       f.close()   # releases the lock
+
+
+@contextlib.contextmanager
+def removed_if_unused(workdir: str):
+  """Removes `workdir` when the block fails and the workdir did not exist before it and holds no result yet (no
+  checkpoint step, no metrics record): a run that stops at start leaves no run.lock, empty checkpoints/ or trained
+  tokenizer behind, so the corrected command starts afresh. Process 0 removes; remote workdirs are left alone."""
+  created = "://" not in workdir and not os.path.lexists(workdir)
+  try:
+    yield
+  except BaseException:
+    if created and distributed.is_lead() and os.path.isdir(workdir) and not _has_results(workdir):
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+
+
+def _has_results(workdir: str) -> bool:
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  return _holds_steps(pathlib.Path(workdir)) or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+
+
+def holds_run(folder: pathlib.Path, files: list[str] = ()) -> bool:
+  """Whether `folder` is a run's workdir: its lock file (files: os.walk's listing, else looked up) or a step."""
+  return NAME in files or (folder / NAME).exists() or _holds_steps(folder)
+
+
+def _holds_steps(folder: pathlib.Path) -> bool:
+  """Whether folder/checkpoints holds a step folder, complete or not (a run that never finished a save is a run)."""
+  steps = folder / "checkpoints"
+  return steps.is_dir() and any(p.name.split(".")[0].isdigit() for p in steps.iterdir())
 
 
 def _acquire(path: str):

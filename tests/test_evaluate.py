@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import models, objectives, train
+from lm_jax import checkpoint_export, models, objectives, train
 from lm_jax.data import pipeline
-from lm_jax.evals import evaluate
+from lm_jax.evals import evaluate, run_eval
 from conftest import load_config
 
 
@@ -23,8 +23,8 @@ def trained(shared_data, tmp_path_factory):
 
 def test_corpus_perplexity_is_total_nll_over_total_tokens(trained):
   config, workdir = trained
-  record = train.evaluate_checkpoint(config, str(workdir))
-  s, params, _ = train.restore_params(config, str(workdir))
+  record = run_eval.evaluate_checkpoint(config, str(workdir))
+  s, params, _ = run_eval.restore_params(config, str(workdir))
   batches = list(pipeline.make_eval_iterator(config, s.tokenizer, objectives.get("clm")))
   nll, tokens = [], []
   for b in batches:   # plain numpy log-softmax over the model's logits, no lm_jax loss code
@@ -48,7 +48,7 @@ def test_corpus_perplexity_is_total_nll_over_total_tokens(trained):
 
 def test_whole_split_uses_every_complete_batch(trained):
   config, workdir = trained
-  s, _, _ = train.restore_params(config, str(workdir))
+  s, _, _ = run_eval.restore_params(config, str(workdir))
   whole = config.copy_and_resolve_references()
   whole.data.eval_batches = 0
   batches = list(pipeline.make_eval_iterator(whole, s.tokenizer, objectives.get("clm")))
@@ -71,12 +71,12 @@ def test_eval_of_an_export_through_init_from_equals_the_checkpoints(trained, tmp
   """--mode=eval --init_from=HF_DIR: the exported model, evaluated on our data, scores what the checkpoint did."""
   config, workdir = trained
   export_dir = str(tmp_path / "export")
-  train.export_checkpoint(config, str(workdir), export_dir)
-  ours = train.evaluate_checkpoint(config, str(workdir))
+  checkpoint_export.export_checkpoint(config, str(workdir), export_dir)
+  ours = run_eval.evaluate_checkpoint(config, str(workdir))
   imported = config.copy_and_resolve_references()
   imported.init_from = export_dir
   imported.data.tokenizer = str(next(workdir.glob("tokenizer_*.model")))
-  record = train.evaluate_checkpoint(imported, str(tmp_path / "eval_run"))
+  record = run_eval.evaluate_checkpoint(imported, str(tmp_path / "eval_run"))
   assert record["step"] == 0 and record["eval_tokens"] == ours["eval_tokens"]
   for k in ("eval_loss", "eval_perplexity", "eval_bits_per_byte", "eval_accuracy"):
     assert record[k] == pytest.approx(ours[k], rel=1e-5), k

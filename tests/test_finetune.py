@@ -11,9 +11,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lm_jax import checks, config_lib, defaults, init_from, models, objectives, optim, params, train
+from lm_jax import checkpoint_export, checks, config_lib, defaults, init_from, models, objectives, optim, params, train
 from lm_jax.data import pipeline, records, tasks, tfds_prepare, tokenizer as tokenizer_lib
-from lm_jax.evals import evaluate, predict
+from lm_jax.evals import evaluate, predict, run_eval
 from lm_jax.hf import export
 from lm_jax.objectives import classify
 from lm_jax.obs import metrics_log
@@ -227,7 +227,7 @@ def test_frozen_params_are_untouched_and_have_no_optimizer_state(frozen_run, tin
     assert name not in mu
   assert not np.array_equal(params["layers_1"]["mlp"]["wi"]["kernel"], pretrained["layers_1"]["mlp"]["wi"]["kernel"])
   assert {"layers_1", "layers_2", "pooler", "classifier"} <= set(mu)
-  s, restored, step = train.restore_params(config, str(workdir))   # the checkpoint holds the frozen params too
+  s, restored, step = run_eval.restore_params(config, str(workdir))   # the checkpoint holds the frozen params too
   assert step == 3
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(params))
 
@@ -242,7 +242,7 @@ def test_best_checkpoint_is_a_workdir_of_its_own(frozen_run, tmp_path):
   assert best["step"] == min(losses, key=losses.get) and best["eval_loss"] == min(losses.values())
   elsewhere = config.copy_and_resolve_references()
   elsewhere.init_from = str(workdir / "best")
-  assert train.restore_params(elsewhere, str(tmp_path))[2] == best["step"]
+  assert run_eval.restore_params(elsewhere, str(tmp_path))[2] == best["step"]
 
 
 def test_layer_decay_scales_each_layers_updates():
@@ -306,9 +306,9 @@ def test_finetune_from_a_workdir_then_eval_and_predict_it(frozen_run, sst2, tmp_
   np.testing.assert_array_equal(start["layers"]["mlp"]["wi"]["kernel"][2], looped["layers_2"]["mlp"]["wi"]["kernel"])
   np.testing.assert_array_equal(start["classifier"]["kernel"], looped["classifier"]["kernel"])
   train.train(config, str(tmp_path))
-  record = train.evaluate_checkpoint(config, str(tmp_path))
+  record = run_eval.evaluate_checkpoint(config, str(tmp_path))
   assert record["step"] == 1 and 0 <= record["eval_accuracy"] <= 1 and "eval_matthews" in record
-  path, metrics = predict.predict(*train.restore_params(config, str(tmp_path))[:2], str(tmp_path))
+  path, metrics = predict.predict(*run_eval.restore_params(config, str(tmp_path))[:2], str(tmp_path))
   lines = open(path).read().splitlines()
   assert lines[0] == "index\tprediction" and [int(l.split("\t")[0]) for l in lines[1:]] == list(range(50))
   assert {l.split("\t")[1] for l in lines[1:]} <= {"0", "1"} and 0 <= metrics["test_accuracy"] <= 1
@@ -325,8 +325,8 @@ def test_minilm_sst2_fine_tunes_and_exports(sst2, tmp_path):
   print(f"minilm_sst2: {config.total_steps} steps + dev eval in {seconds:.0f} s: {result['eval']}")
   assert result["eval"]["eval_accuracy"] >= 0.80, result["eval"]
   export_dir = str(tmp_path / "export")
-  s, params, _ = train.restore_params(config, str(tmp_path / "run"))
-  train.export_checkpoint(config, str(tmp_path / "run"), export_dir)
+  s, params, _ = run_eval.restore_params(config, str(tmp_path / "run"))
+  checkpoint_export.export_checkpoint(config, str(tmp_path / "run"), export_dir)
   hf = transformers.BertForSequenceClassification.from_pretrained(export_dir).eval()
   batch = next(iter(pipeline.make_eval_iterator(s.config, s.tokenizer, s.objective)))
   inputs = {k: batch[k] for k in ("input_ids", "token_type_ids", "attention_mask")}

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, defaults, hf, models, params as params_lib, train
+from lm_jax import checkpoint_export, config_lib, defaults, hf, models, params as params_lib, train
 from lm_jax.hf import export
 from test_lora import MODELS, _get, batch, load_hf, load_peft   # the same tiny models and HF / PEFT loading
 
@@ -46,7 +46,7 @@ def forward(config, merged=True):
   """Jitted (run params, batch) -> logits: through the merged params (eval, decoding), or unmerged (the step)."""
   def f(params, b):
     if merged:
-      return models.apply(config.model, params_lib.materialize(config, params), b)["logits"]
+      return models.apply(config.model, params_lib.for_inference(config, params), b)["logits"]
     with params_lib.running(config, train=False):
       return models.apply(config.model, params, b)["logits"]
   return jax.jit(f)
@@ -76,7 +76,7 @@ def test_peft_parity_both_ways(family, tmp_path):
   logits = forward(config)(params, b)
   close(logits, theirs(adapted, b))
   close(forward(config, merged=False)(params, b), theirs(adapted, b))
-  merged = hf.family_module(family).to_hf(config.model, jax.device_get(params_lib.merged(config, params)))
+  merged = hf.family_module(family).to_hf(config.model, jax.device_get(params_lib.folded(config, params)))
   hf_merged = adapted.merge_and_unload().state_dict()
   for name, tensor in merged.items():
     np.testing.assert_allclose(tensor, hf_merged[name].numpy(), atol=1e-5, err_msg=name)
@@ -97,11 +97,11 @@ def test_peft_parity_both_ways(family, tmp_path):
   config.ia3.init_from = str(tmp_path / "theirs")
   params_lib.check(config)
   pretrained = export.load_hf(str(tmp_path / "base"), scan_layers=config.model.scan_layers)[1]
-  imported = params_lib.prepare(config, pretrained)
+  imported = params_lib.from_pretrained(config, pretrained)
   close(forward(config)(imported, b), theirs(peft_model, b))
   config.ia3.feedforward = ()   # a vector of the other kind is an error, not a silent broadcast
   with pytest.raises(ValueError, match=r"ia3_l has shape .*output scaling"):
-    params_lib.prepare(config, pretrained)
+    params_lib.from_pretrained(config, pretrained)
 
 
 def test_config_errors_name_the_field():
@@ -160,7 +160,7 @@ def test_trainer_trains_only_vectors_and_head_exports_and_imports_peft(tmp_path,
   trainable, total = params_lib.count(train.setup(config, str(tmp_path / "run")).config)
   assert trainable == sum(v.size for v in vectors) + 32 * 2 + 2
 
-  train.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "export"))
+  checkpoint_export.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "export"))
   saved = json.loads((tmp_path / "export" / "adapter" / "adapter_config.json").read_text())
   assert saved["peft_type"] == "IA3" and saved["modules_to_save"] == ["classifier"]
   adapted = load_peft(load_hf("bert", str(tmp_path / "export")), str(tmp_path / "export" / "adapter"))
@@ -169,6 +169,6 @@ def test_trainer_trains_only_vectors_and_head_exports_and_imports_peft(tmp_path,
   close(forward(run_cfg)(state["params"], b), theirs(adapted, b))
 
   run_cfg.ia3.init_from = str(tmp_path / "export" / "adapter")
-  back = params_lib.prepare(run_cfg, export.load_hf(str(tmp_path / "export"))[1])
+  back = params_lib.from_pretrained(run_cfg, export.load_hf(str(tmp_path / "export"))[1])
   for path, leaf in jax.tree_util.tree_leaves_with_path(state["params"]):
     np.testing.assert_allclose(_get(back, path), leaf, rtol=0, atol=1e-7, err_msg=jax.tree_util.keystr(path))

@@ -23,8 +23,8 @@ FORBIDDEN = {
     "lm_jax.params": ("lm_jax.step", "lm_jax.objectives", *_TRAINERS),
     "lm_jax.step": ("lm_jax.objectives", "lm_jax.peft", *_TRAINERS),
     "lm_jax.loop": ("lm_jax.train", "lm_jax.step", "lm_jax.rlhf"),
-    "lm_jax.train": ("lm_jax.rlhf",),
-    "lm_jax.checkpoint": ("lm_jax.peft",),   # adapters reach checkpoints through the params policy
+    "lm_jax.train": ("lm_jax.rlhf", "lm_jax.hf", "lm_jax.checkpoint_export", "lm_jax.evals.run_eval"),   # trains only
+    "lm_jax.checkpoint": ("lm_jax.peft", "lm_jax.loop"),   # adapters reach checkpoints through the params policy
 }
 
 
@@ -142,6 +142,35 @@ def test_loading_a_config_imports_no_jax():
           "'flax', 'optax', 'orbax')))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
   assert out.stdout.split() == ["['lm_jax',", "'lm_jax.config_lib',", "'lm_jax.defaults']"]
+
+
+def test_one_helper_names_the_lead_process():
+  """`process_index() == 0` is spelled once (distributed.is_lead); everything that writes for the run asks it."""
+  found = sorted(str(p.relative_to(REPO)) for p in (REPO / "lm_jax").rglob("*.py")
+                 if "process_index() == 0" in p.read_text())
+  assert found == ["lm_jax/distributed.py"]
+
+
+def _calls(path: pathlib.Path) -> set[str]:
+  """'obj.attr' and 'name' of every call in the module at `path`."""
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Call):
+      f = node.func
+      if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+        out.add(f"{f.value.id}.{f.attr}")
+      elif isinstance(f, ast.Name):
+        out.add(f.id)
+  return out
+
+
+def test_both_trainers_run_in_one_loop_session():
+  """The trainer and PPO's trainer set up and tear down through lm_jax.loop.session (checkpoint manager, metrics
+  log, final saves, goodput line, closing), not each by hand."""
+  for path, loop_name in ((REPO / "lm_jax" / "train.py", "loop"), (REPO / "lm_jax" / "rlhf" / "ppo.py", "loop_lib")):
+    calls = _calls(path)
+    assert f"{loop_name}.session" in calls, path
+    assert not calls & {"metrics_log.MetricsLog", "checkpoint.finish", f"{loop_name}.finish"}, path
 
 
 def test_the_checks_see_a_cycle():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from conftest import cli, flags, load_config
-from lm_jax import train
-from lm_jax.evals import inference
+from lm_jax import checkpoint_export, train
+from lm_jax.evals import inference, run_eval
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,9 @@ def test_fill_mask_matches_transformers_on_the_export(bert, tmp_path):
   got = inference.fill_mask(config, str(workdir), texts, top_k=5)
   assert [len(m) for m in got] == [1, 2] and all(len(best) == 5 for m in got for best in m)
 
-  train.export_checkpoint(config, str(workdir), str(tmp_path / "hf"))
+  checkpoint_export.export_checkpoint(config, str(workdir), str(tmp_path / "hf"))
   model = transformers.BertForPreTraining.from_pretrained(str(tmp_path / "hf")).eval()
-  s, _, _ = train.restore_params(config, str(workdir))
+  s, _, _ = run_eval.restore_params(config, str(workdir))
   tok = s.tokenizer
   for text, masks in zip(texts, got):
     ids = [tok.cls_id] + inference.encode_masked(tok, text) + [tok.sep_id]

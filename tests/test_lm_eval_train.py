@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from conftest import REPO, load_config, records
-from lm_jax import config_lib, train
+from lm_jax import checkpoint_export, config_lib, train
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.evals import lm_eval_adapter
 
@@ -33,7 +33,7 @@ def run(shared_data, tmp_path_factory):
   with pytest.MonkeyPatch.context() as env:
     env.setenv("LM_JAX_DATA", str(shared_data))   # the local tasks' data
     result = train.train(config, str(workdir))
-  train.export_checkpoint(config, str(workdir), str(export_dir))
+  checkpoint_export.export_checkpoint(config, str(workdir), str(export_dir))
   hf = huggingface.HFLM(pretrained=str(export_dir), device="cpu", batch_size=8)
   return config, str(workdir), result, records(str(workdir), "eval"), hf
 

@@ -16,8 +16,8 @@ import pytest
 from flax import linen as nn
 
 from conftest import REPO
-from lm_jax import (config_lib, decoding, defaults, hf, layout, models, objectives, params as params_lib, sharding, step,
-                    train)
+from lm_jax import (checkpoint_export, config_lib, decoding, defaults, hf, layout, models, objectives,
+                    params as params_lib, sharding, step, train)
 from lm_jax.hf import export
 from lm_jax.models import nf4
 from lm_jax.peft import lora
@@ -73,7 +73,7 @@ def batch(family, rows=2, length=8, seed=0):
 def forward(config):
   """Jitted (run params, batch) -> (logits, hidden, the plain params the model ran)."""
   def f(params, b):
-    plain = params_lib.materialize(config, params)
+    plain = params_lib.for_inference(config, params)
     out = models.apply(config.model, plain, b)
     return out["logits"], out["hidden"], plain
   return jax.jit(f)
@@ -151,12 +151,12 @@ def test_peft_parity_both_ways(family, tmp_path):
     config.lora.targets = ("attention/(query|key|value)/",)
   config.lora.init_from = str(tmp_path / "theirs")
   pretrained = export.load_hf(str(tmp_path / "base"), scan_layers=config.model.scan_layers)[1]
-  imported = params_lib.prepare(config, pretrained)
+  imported = params_lib.from_pretrained(config, pretrained)
   close(forward(config)(imported, b)[:2] if family == "gpt" else run(imported, b)[:2], theirs(peft_model, b))
   if family == "bert":   # an adapter file without the kernels the run targets is an error, not a silent zero
     config.lora.targets = ("attention/(query|value|key|out)/",)
     with pytest.raises(ValueError, match=r"no adapter for bert\.encoder\.layer\.0\.attention\.self\.key"):
-      params_lib.prepare(config, pretrained)
+      params_lib.from_pretrained(config, pretrained)
 
 
 def test_init_merge_unmerge_and_config_errors():
@@ -172,7 +172,7 @@ def test_init_merge_unmerge_and_config_errors():
   bound = 1 / np.sqrt(32)   # PEFT: kaiming_uniform_(a=sqrt(5)) on (r, in) = U(-1/sqrt(in), 1/sqrt(in))
   assert np.abs(q["a"]).max() <= bound and np.std(q["a"]) == pytest.approx(bound / np.sqrt(3), rel=0.15)
   params = random_params(looped)
-  merged = jax.jit(lambda p: params_lib.merged(looped, p))(params)
+  merged = jax.jit(lambda p: params_lib.folded(looped, p))(params)
   base = params_lib.base(looped, params)
   assert "lora" not in merged and jax.tree.structure(merged) == jax.tree.structure(base)
   adapter = params[lora.KEY]["layers_0"]["attention"]["query"]   # W + s·A·B, the rest untouched
@@ -227,8 +227,8 @@ def test_decoding_with_adapters_equals_peft_generate(tmp_path):
   prompts = [[5, 17, 33, 2], [44, 3, 9, 60]]
   with pytest.raises(ValueError, match="params hold LoRA adapters"):
     decoding.generate(config.model, params, prompts, max_new_tokens=6)
-  ours = decoding.generate(config.model, params_lib.materialize(config, params), prompts, max_new_tokens=6)
-  merged = jax.device_get(params_lib.merged(config, params))
+  ours = decoding.generate(config.model, params_lib.for_inference(config, params), prompts, max_new_tokens=6)
+  merged = jax.device_get(params_lib.folded(config, params))
   assert decoding.generate(config.model, merged, prompts, max_new_tokens=6) == ours
   export.save_hf(config.model, params_lib.base(config, params), str(tmp_path / "base"))
   params_lib.save_adapter(config, params, str(tmp_path / "adapter"))
@@ -268,8 +268,8 @@ def test_trainer_trains_only_adapters_and_head_and_exports_peft(tmp_path, shared
     assert np.array_equal(leaf, _get(loaded, path)), jax.tree_util.keystr(path)
   adapters = jax.tree_util.tree_leaves_with_path(state["params"]["lora"])
   assert len(adapters) == 8 and all(np.abs(b).max() > 0 for p, b in adapters if p[-1].key == "b")   # trained
-  train.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "export"))
-  train.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "merged"), merged=True)
+  checkpoint_export.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "export"))
+  checkpoint_export.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "merged"), merged=True)
   saved = json.loads((tmp_path / "export" / "adapter" / "adapter_config.json").read_text())
   assert saved["modules_to_save"] == ["classifier"] and saved["r"] == 4
   adapted = load_peft(load_hf("bert", str(tmp_path / "export")), str(tmp_path / "export" / "adapter"))

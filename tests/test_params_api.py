@@ -4,9 +4,10 @@ import ast
 import pathlib
 import sys
 
+import jax
 import pytest
 
-from lm_jax import checks, config_lib, params, train
+from lm_jax import checks, config_lib, layout, params, sharding, step, train
 from conftest import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -80,3 +81,18 @@ def test_a_plain_pretraining_run_calls_nothing_in_peft(shared_data, tmp_path):
 def test_a_method_left_off_with_its_fields_set_is_still_checked(shared_data):
   with pytest.raises(config_lib.ConfigError, match="config.lora.qlora needs LoRA adapters"):
     checks.validate(load_config("clm", shared_data, **{"lora.qlora": True}), 1)
+
+
+def test_the_policy_is_resolved_once_per_layout(shared_data, monkeypatch):
+  """layout.build resolves the params policy once; the steps and the optimizer read it, not the config again."""
+  real, resolved = params._active, []
+  monkeypatch.setattr(params, "_active", lambda c: resolved.append(c) or real(c))
+  for overrides, method in (({}, None), ({"lora.rank": 2}, "lora")):
+    resolved.clear()
+    config = load_config("clm", shared_data, **overrides)
+    mesh = sharding.make_mesh(config, jax.devices()[:1])
+    lay = layout.build(config, mesh)
+    step.make_train_step(lay.policy, lay.objective, lay.tx, lay.lr_schedule, lay.state_sharding, mesh)
+    step.make_eval_step(lay.policy, lay.objective, lay.state_sharding["params"], mesh)
+    params.count(lay.policy)
+    assert lay.policy.method == method and len(resolved) == 1

@@ -14,8 +14,8 @@ import sys
 import jax
 import pytest
 
-from lm_jax import checkpoint, config_lib, init_from, models, train, workdir_lock
-from lm_jax.evals import inference, probe
+from lm_jax import checkpoint, checkpoint_export, config_lib, init_from, models, train, workdir_lock
+from lm_jax.evals import inference, probe, run_eval
 from lm_jax.hf import export
 from conftest import REPO, cli, flags, load_config, values
 
@@ -46,21 +46,21 @@ def test_export_refuses_a_non_empty_dir_and_overwrite_replaces_it_whole(lora_run
   config, workdir = lora_run
   out = tmp_path / "out"
   with workdir_lock.hold(str(workdir)):   # a read-only mode needs no lock: it exports while a run holds one
-    train.export_checkpoint(config, str(workdir), str(out))
+    checkpoint_export.export_checkpoint(config, str(workdir), str(out))
   assert (out / "adapter" / "adapter_model.safetensors").is_file()
   modes = _modes(out)
   files = {mode for path, mode in modes.items() if (out / path).is_file()}
   assert len(files) == 1, modes   # model.safetensors used to be 0600 among 0644 files
 
   with pytest.raises(FileExistsError, match=f"export directory {out} is not empty; pass --overwrite"):
-    train.export_checkpoint(config, str(workdir), str(out), merged=True)
+    checkpoint_export.export_checkpoint(config, str(workdir), str(out), merged=True)
   assert _modes(out) == modes
-  train.export_checkpoint(config, str(workdir), str(out), merged=True, overwrite=True)
+  checkpoint_export.export_checkpoint(config, str(workdir), str(out), merged=True, overwrite=True)
   assert not (out / "adapter").exists()   # the merged weights alone: an old adapter/ would apply twice
   assert {m for p, m in _modes(out).items() if (out / p).is_file()} == files
   assert not _litter(tmp_path, "out")
   with pytest.raises(ValueError, match="would replace the run's own workdir"):
-    train.export_checkpoint(config, str(workdir), str(workdir.parent), overwrite=True)
+    checkpoint_export.export_checkpoint(config, str(workdir), str(workdir.parent), overwrite=True)
 
 
 def test_a_full_disk_mid_export_leaves_nothing(lora_run, tmp_path, monkeypatch):
@@ -73,12 +73,12 @@ def test_a_full_disk_mid_export_leaves_nothing(lora_run, tmp_path, monkeypatch):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
   monkeypatch.setattr(export, "save_file", save_file)
   with pytest.raises(OSError, match="No space left"):
-    train.export_checkpoint(config, str(workdir), str(tmp_path / "new"))
+    checkpoint_export.export_checkpoint(config, str(workdir), str(tmp_path / "new"))
   assert not (tmp_path / "new").exists() and not _litter(tmp_path, "new")
   (tmp_path / "old").mkdir()
   (tmp_path / "old" / "keep.txt").write_text("x")
   with pytest.raises(OSError, match="No space left"):
-    train.export_checkpoint(config, str(workdir), str(tmp_path / "old"), overwrite=True)
+    checkpoint_export.export_checkpoint(config, str(workdir), str(tmp_path / "old"), overwrite=True)
   assert [p.name for p in (tmp_path / "old").iterdir()] == ["keep.txt"] and not _litter(tmp_path, "old")
 
 
@@ -87,7 +87,7 @@ def test_sigterm_mid_export_leaves_nothing(lora_run, shared_data, tmp_path):
   _, workdir = lora_run
   code = f"""
 import os, signal
-from lm_jax import config_lib, train
+from lm_jax import checkpoint_export, config_lib
 from lm_jax.hf import export
 real = export.save_file
 def save_file(*args, **kwargs):
@@ -95,7 +95,7 @@ def save_file(*args, **kwargs):
   os.kill(os.getpid(), signal.SIGTERM)
 export.save_file = save_file
 config = config_lib.load("configs/gpt1.py:tiny", {values("clm", shared_data, **RUN, **LORA)!r})
-train.export_checkpoint(config, {str(workdir)!r}, {str(tmp_path / "out")!r})
+checkpoint_export.export_checkpoint(config, {str(workdir)!r}, {str(tmp_path / "out")!r})
 """
   run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert run.returncode == 128 + signal.SIGTERM, run.stderr[-2000:]
@@ -107,7 +107,7 @@ def test_exporting_a_lora_run_without_its_rank_names_the_flag(lora_run, tmp_path
   config, workdir = lora_run
   plain = load_config("clm", _data(config), **RUN)
   with pytest.raises(ValueError) as error:
-    train.export_checkpoint(plain, str(workdir), str(tmp_path / "out"))
+    checkpoint_export.export_checkpoint(plain, str(workdir), str(tmp_path / "out"))
   message = str(error.value)
   assert "\n" not in message and "was trained with --config.lora.rank=2" in message, message
   assert "pass the run's config" in message and "new --workdir" not in message
@@ -123,13 +123,13 @@ def test_export_before_training_says_there_is_no_checkpoint(shared_data, tmp_pat
   init_from lacks the task head, 'num_labels >= 1 ..., got 0'."""
   workdir = tmp_path / "empty"
   with pytest.raises(FileNotFoundError, match=f"no checkpoint in {workdir}/checkpoints; train first"):
-    train.export_checkpoint(load_config("clm", shared_data, **RUN), str(workdir), str(tmp_path / "out"))
+    checkpoint_export.export_checkpoint(load_config("clm", shared_data, **RUN), str(workdir), str(tmp_path / "out"))
   assert not workdir.exists() and not (tmp_path / "out").exists()
 
   pre = _bert_export(shared_data, tmp_path / "pre")
   config = config_lib.load("configs/finetune/bert.py:tiny", {"init_from": str(pre)})
   with pytest.raises(FileNotFoundError) as error:
-    train.export_checkpoint(config, str(workdir), str(tmp_path / "out"))
+    checkpoint_export.export_checkpoint(config, str(workdir), str(tmp_path / "out"))
   assert str(error.value).startswith(f"no checkpoint in {workdir}/checkpoints: train first"), error.value
   assert "2-label head" in str(error.value) and not workdir.exists()
 
@@ -149,7 +149,7 @@ def test_init_from_is_never_written(kind, shared_data, tmp_path):
     source.mkdir()
   config = load_config("clm", shared_data, **RUN, init_from=str(source))
   for read in (lambda: init_from.resolve(config), lambda: probe.load(str(source)),
-               lambda: train.evaluate_checkpoint(config, str(tmp_path / "run"))):
+               lambda: run_eval.evaluate_checkpoint(config, str(tmp_path / "run"))):
     with pytest.raises(FileNotFoundError, match=f"config.init_from='{source}'"):
       read()
   assert (list(source.iterdir()) == []) if kind == "empty" else not source.exists()

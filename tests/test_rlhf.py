@@ -11,6 +11,7 @@ import pytest
 from lm_jax import checks, config_lib, decoding, models, train
 from lm_jax.data import instructions, toy_tasks
 from lm_jax.data import tokenizer as tokenizer_lib
+from lm_jax.evals import run_eval
 from lm_jax.objectives import dpo, reward, sft
 from lm_jax.peft import lora
 
@@ -204,7 +205,7 @@ def test_dpo_from_sft_raises_the_held_out_margin(toy, sft_run):
   np.testing.assert_allclose(first["loss"], np.log(2), rtol=1e-5)    # policy = reference = the SFT model
   assert result["eval"]["eval_margin"] > 0.1 and result["eval"]["eval_accuracy"] > 0.7
   policy, reference = dpo.split_reference(c, result["state"]["params"])
-  sft_params = train.restore_params(_config("sft", toy), sft_dir)[1]
+  sft_params = run_eval.restore_params(_config("sft", toy), sft_dir)[1]
   jax.tree.map(np.testing.assert_array_equal, reference, sft_params)   # frozen: still the SFT model
   assert not np.array_equal(policy["word_embeddings"]["embedding"], reference["word_embeddings"]["embedding"])
 
@@ -226,7 +227,7 @@ def test_dpo_with_lora_uses_the_frozen_base_as_reference(toy, sft_run):
   params = result["state"]["params"]
   policy, reference = dpo.split_reference(c, params)
   assert models.REFERENCE not in params and lora.KEY in policy and lora.KEY not in reference
-  sft_params = train.restore_params(_config("sft", toy), sft_dir)[1]
+  sft_params = run_eval.restore_params(_config("sft", toy), sft_dir)[1]
   jax.tree.map(np.testing.assert_array_equal, reference, sft_params)
 
 

@@ -12,7 +12,7 @@ from scipy import special
 
 from lm_jax import checkpoint, config_lib, decoding, init_from, models, objectives, train
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
-from lm_jax.evals import predict
+from lm_jax.evals import predict, run_eval
 from lm_jax.objectives import text_to_text
 
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree")
@@ -141,7 +141,7 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
   result = train.train(c, str(tmp_path))
   assert result["train"]["loss"] < 0.5, result["train"]
 
-  out, metrics = predict.predict(*train.restore_params(c, str(tmp_path))[:2], str(tmp_path))
+  out, metrics = predict.predict(*run_eval.restore_params(c, str(tmp_path))[:2], str(tmp_path))
   with open(out) as f:
     written = list(csv.DictReader(f, delimiter="\t"))
   truth = [LABELS[KEY in x.split()] for x in splits["test"]]
@@ -157,7 +157,7 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
   # --mode=predict of a free-form run writes its decoded texts (here after 2 steps: any texts will do)
   free.total_steps, free.checkpoint_every, free.eval_every, free.finetune.best_metric = 2, 2, 0, ""
   params = jax.device_get(train.train(free, str(tmp_path / "free"))["state"]["params"])
-  out, metrics = predict.predict(*train.restore_params(free, str(tmp_path / "free"))[:2], str(tmp_path / "free"))
+  out, metrics = predict.predict(*run_eval.restore_params(free, str(tmp_path / "free"))[:2], str(tmp_path / "free"))
   with open(out) as f:
     written = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
   want = text_to_text.generate_texts(free, params, tok, "test", decoding.generate)

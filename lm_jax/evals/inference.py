@@ -5,7 +5,8 @@ ConfigError (exit code 2)."""
 import jax
 import numpy as np
 
-from lm_jax import config_lib, decoding, models, params as params_lib, train
+from lm_jax import config_lib, decoding, models, params as params_lib
+from lm_jax.evals import run_eval
 
 MASK = "[MASK]"
 # The generate flags that only one decoding method reads.
@@ -49,8 +50,8 @@ def check_generate_flags(given: set[str], method: str, **options):
 def generate_text(config, workdir: str, texts: list[str], **options) -> list[str]:
   """Continuations of text prompts (a decoder's: the text so far; an encoder-decoder's: the encoder input,
   eos-terminated) with lm_jax.decoding.generate(**options), decoded without their eos."""
-  s, params, _ = train.restore_params(config, workdir)
-  params, tok, m = params_lib.materialize(s.config, params), s.tokenizer, s.config.model
+  s, params, _ = run_eval.restore_params(config, workdir)
+  params, tok, m = params_lib.for_inference(s.config, params), s.tokenizer, s.config.model
   eos = [tok.eos_id] if models.family(m).layout == "encoder_decoder" else []
   prompts = [tok.encode(t) + eos for t in texts]
   out = decoding.generate(m, params, prompts, eos_id=tok.eos_id, pad_id=tok.pad_id, **options)
@@ -70,8 +71,8 @@ def encode_masked(tokenizer, text: str) -> list[int]:
 
 def fill_mask(config, workdir: str, texts: list[str], top_k: int = 5) -> list[list[list[tuple[str, float]]]]:
   """Per text, per [MASK]: the top_k (token, probability) of the MLM head."""
-  s, params, _ = train.restore_params(config, workdir)
-  params, tok, m = params_lib.materialize(s.config, params), s.tokenizer, s.config.model
+  s, params, _ = run_eval.restore_params(config, workdir)
+  params, tok, m = params_lib.for_inference(s.config, params), s.tokenizer, s.config.model
   if tok.mask_id is None or models.family(m).layout != "encoder":
     raise ValueError(f"--mode=fill_mask needs a BERT model and tokenizer; config.model.family={m.family!r}")
   rows = [[tok.cls_id] + encode_masked(tok, t)[:s.config.data.seq_len - 2] + [tok.sep_id] for t in texts]

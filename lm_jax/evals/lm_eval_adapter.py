@@ -104,7 +104,7 @@ class Harness:
 
   def __call__(self, params) -> dict:
     c = self.config
-    lm = JaxLM(c.model, params_lib.materialize(c, params), self.tokenizer, c.batch_size // c.microbatches)
+    lm = JaxLM(c.model, params_lib.for_inference(c, params), self.tokenizer, c.batch_size // c.microbatches)
     out = lm_eval.simple_evaluate(model=lm, tasks=self.names, task_manager=self.manager,
                                   limit=c.eval.lm_eval_limit or None, bootstrap_iters=0, log_samples=False,
                                   torch_random_seed=None)

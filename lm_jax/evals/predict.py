@@ -6,7 +6,7 @@ import string
 import jax
 import numpy as np
 
-from lm_jax import decoding, params as params_lib, sharding, step
+from lm_jax import decoding, distributed, params as params_lib, sharding, step
 from lm_jax.data import pipeline
 from lm_jax.evals import evaluate
 
@@ -35,7 +35,7 @@ def eval_record(objective, outputs: list, text_per_token: dict | None = None) ->
 
 
 def _write(path: str, lines: list[str]):
-  if jax.process_index() == 0:
+  if distributed.is_lead():
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
       f.write("index\tprediction\n" + "".join(line + "\n" for line in lines))
@@ -44,7 +44,7 @@ def _write(path: str, lines: list[str]):
 def predict(s, params, workdir: str) -> tuple[str, dict]:
   """Writes workdir/predictions_<task.test_split>.tsv ('index<TAB>prediction' per example, the index its position
   in the split, the prediction a label name when task.label_names are given): the predictions of `params` (placed
-  on s.mesh; s is the run's train.Setup, as train.restore_params returns both). Returns (path, metrics over the
+  on s.mesh; s is the run's train.Setup, as evals.run_eval.restore_params returns both). Returns (path, metrics over the
   labelled examples; {} when none has a label)."""
   if not s.objective.predict:
     raise ValueError(f"config.objective={s.config.objective!r} makes no predictions (--mode=predict)")
@@ -52,7 +52,7 @@ def predict(s, params, workdir: str) -> tuple[str, dict]:
   c.data.eval_split, c.data.eval_batches = c.task.test_split, 0
   safe = "".join(ch if ch in string.ascii_letters + string.digits + "-_" else "_" for ch in c.task.test_split)
   path = os.path.join(workdir, f"predictions_{safe}.tsv")
-  texts = s.objective.predict_texts(c, params_lib.materialize(c, params), s.tokenizer, c.task.test_split,
+  texts = s.objective.predict_texts(c, params_lib.for_inference(s.policy, params), s.tokenizer, c.task.test_split,
                                     decoding.generate) if s.objective.predict_texts else None
   if texts is not None:   # decoded texts (free-form T5 targets): tabs and newlines inside them become spaces
     clean = lambda t: " ".join(t.split())
@@ -61,7 +61,7 @@ def predict(s, params, workdir: str) -> tuple[str, dict]:
     return path, {"test_exact_match": texts["exact_match"]} if scored else {}
   batches = pipeline.make_eval_iterator(c, s.tokenizer, s.objective, process_index=jax.process_index(),
                                         process_count=jax.process_count())
-  eval_step = step.make_eval_step(c, s.objective, s.state_sharding["params"], s.mesh)
+  eval_step = step.make_eval_step(s.policy, s.objective, s.state_sharding["params"], s.mesh)
   out = eval_outputs(eval_step, params, batches, s.mesh)
   found = predictions(out)
   keep = found["index"] >= 0

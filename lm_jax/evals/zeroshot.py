@@ -23,8 +23,9 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from lm_jax import config_lib, decoding, init_from, models, train
+from lm_jax import config_lib, decoding, init_from, models
 from lm_jax.data import tasks
+from lm_jax.evals import run_eval
 
 HEURISTICS = ("sentiment", "choice", "acceptability")
 SENTIMENT_WORDS = ("negative", "positive")   # class 0, class 1 (SST-2)
@@ -203,7 +204,7 @@ def _family(config) -> str:
 def run(config, workdir: str, heuristic: str, *, cue: str = "very", threshold: float | None = None,
         threshold_split: str = "") -> dict:
   """Reads the task (config.data.eval_split, and threshold_split), loads the latest checkpoint of workdir or
-  config.init_from (train.restore_params) and evaluates the heuristic (see evaluate)."""
+  config.init_from (run_eval.restore_params) and evaluates the heuristic (see evaluate)."""
   if heuristic not in HEURISTICS:
     raise config_lib.ConfigError(f"unknown zero-shot heuristic {heuristic!r}; known: {', '.join(HEURISTICS)}")
   if heuristic != "acceptability" and (threshold is not None or threshold_split):
@@ -215,7 +216,7 @@ def run(config, workdir: str, heuristic: str, *, cue: str = "very", threshold: f
     raise config_lib.ConfigError(f"--mode=zeroshot scores with a GPT language model; config.model.family={family!r}")
   data = read(config, heuristic, config.data.eval_split)
   chosen_on = read(config, heuristic, threshold_split) if threshold_split else None
-  s, params, _ = train.restore_params(config, workdir)
+  s, params, _ = run_eval.restore_params(config, workdir)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     return evaluate(s.config.model, params, s.tokenizer, heuristic, data, cue=cue, words=config.task.label_names,
                     threshold=threshold, chosen_on=chosen_on, batch_size=config.batch_size)

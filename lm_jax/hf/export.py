@@ -8,7 +8,7 @@ unstacked, float32). load_hf reads safetensors only, never pickles; it also take
 (missing pooler / MLM / NSP heads are initialised randomly with a warning, like transformers does). A missing,
 unreadable or unfitting file is a one-line error that names the file, and the tensor where one is at fault.
 
-`writing` makes an export atomic (lm_jax.train.export_checkpoint writes through it): the files go to a temporary
+`writing` makes an export atomic (lm_jax.checkpoint_export writes through it): the files go to a temporary
 directory beside the target, which is renamed to the target only once every file is written, so an error, a full
 disk or SIGTERM leaves the target as it was and no files of two exports ever mix (an unmerged export's adapter/
 beside merged weights would apply the adapters twice). A non-empty target is refused unless `overwrite`, which

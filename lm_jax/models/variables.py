@@ -51,7 +51,7 @@ def check_plain(params: dict) -> None:
   if held:
     raise ValueError(f"params hold {ADAPTER_KEYS[held[0]]} adapters (params[{held[0]!r}]), which the model would "
                      "ignore; pass "
-                     "lm_jax.params.materialize(config, params) or run under lm_jax.params.running(config)")
+                     "lm_jax.params.for_inference(config, params) or run under lm_jax.params.running(config)")
 
 
 def _split_nf4(tree: dict) -> tuple[dict, dict]:

@@ -21,11 +21,10 @@ import os
 import sys
 import threading
 
-import jax
 from absl import logging as absl_logging
 from etils import epath
 
-from lm_jax import storage
+from lm_jax import distributed, storage
 from lm_jax.obs import goodput, wandb_log
 
 TIME_SPLIT = tuple(f"{k}_s" for k in goodput.SPLIT)   # a train record's time split (lm_jax.loop)
@@ -34,7 +33,7 @@ WALL_CLOCK = ("tokens_per_sec", "mfu", *TIME_SPLIT)    # fields that depend on t
 
 def warn(message: str):
   """'warning: ...' on stderr, from process 0 only."""
-  if jax.process_index() == 0:
+  if distributed.is_lead():
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -117,7 +116,7 @@ class MetricsLog:
     self.workdir = workdir
     self.path = epath.Path(workdir) / "metrics.jsonl"
     self.remote = "://" in str(workdir)
-    self.active = jax.process_index() == 0
+    self.active = distributed.is_lead()
     self.writable = self.active
     self.tb = self.wandb = None
     self.records, self.segment = [], 0

@@ -15,6 +15,8 @@ import sys
 import jax
 from etils import epath
 
+from lm_jax import distributed
+
 
 def check(config):
   """One-line error for a bad config.profile.steps (checks.validate calls it before anything is built)."""
@@ -30,7 +32,7 @@ class Profiler:
     p = config.profile
     self.first, count = tuple(p.steps) or (0, 0)
     self.last = self.first + count - 1
-    self.on = bool(count) and (p.all_processes or jax.process_index() == 0)
+    self.on = bool(count) and (p.all_processes or distributed.is_lead())
     self.tracing = False
     self.dir = epath.Path(workdir) / "profile"
     self.options = jax.profiler.ProfileOptions()

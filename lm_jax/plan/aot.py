@@ -72,11 +72,11 @@ def compile_steps(config, topo: topology.Topology):
   # a scan (scanned layers, the microbatch loop) is counted once by cost_analysis; CUDA gives no count
   counts = topo.platform == "tpu" and not config.model.scan_layers and config.microbatches == 1
   results = []
-  steps = [("the train step", step.make_train_step(config, objective, lay.tx, lay.lr_schedule, state_sh, mesh),
+  steps = [("the train step", step.make_train_step(lay.policy, objective, lay.tx, lay.lr_schedule, state_sh, mesh),
             (state, batch))]
   if config.eval_every:   # the trainer builds its evaluator only then
     steps.append(("the eval step (batch_size rows at once)",
-                  step.make_eval_step(config, objective, state_sh["params"], mesh), (state["params"], batch)))
+                  step.make_eval_step(lay.policy, objective, state_sh["params"], mesh), (state["params"], batch)))
   target = layers.compiling_for("gpu" if topo.platform == "cuda" else "tpu")
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules), target:   # jits built outside: they make arrays eagerly
     for what, jitted, args in steps:

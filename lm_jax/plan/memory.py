@@ -6,7 +6,7 @@ params, optimizer state: exact. The train state's abstract params and optimizer 
   placed by the trainer's own rules (sharding.logical_to_sharding, opt_state_sharding) on an AbstractMesh of the
   requested sizes; bytes = sum of shard sizes, also shown per parameter (NF4-quantised weights, lm_jax.models.nf4,
   count as the weights they stand for: ~0.516 bytes each).
-gradients: float32 copy of the trainable params' shards (step.py casts them; params.trainable_mask: frozen
+gradients: float32 copy of the trainable params' shards (step.py casts them; the params Policy's trainable mask: frozen
   params, LoRA's base and its NF4 weights get none), twice with microbatches (accumulator plus the current
   microbatch's gradient).
 activations: analytic, what the backward pass keeps per layer (Korthikanti et al. 2022, "Reducing
@@ -171,7 +171,7 @@ def estimate(config, *, num_devices: int | None = None, mesh=None, layout=None) 
   params_sh, abstract_opt, opt_sh = state_sh["params"], abstract["opt_state"], state_sh["opt_state"]
 
   params, param_count = param_bytes(abstract["params"], params_sh)
-  mask = params_lib.trainable_mask(config)
+  mask = layout.policy.trainable
   trainable = param_bytes(params_lib.split(abstract["params"], mask)[0], params_lib.split(params_sh, mask)[0])[1]
   est = Estimate(mesh=mesh, rows=0, remat="", params=params, param_count=param_count,
                  opt_state=_sharded_bytes(abstract_opt, opt_sh), grads=4 * trainable, activations=0)

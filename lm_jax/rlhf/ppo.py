@@ -40,7 +40,6 @@ from lm_jax import (checkpoint, init_from, loop as loop_lib, models, params as p
 from lm_jax.data import instructions, pipeline, tokenizer as tokenizer_lib
 from lm_jax.models import layers
 from lm_jax.objectives import clm, rewards
-from lm_jax.obs import goodput, metrics_log
 from lm_jax.rlhf import ppo_math, rollout, scoring, update
 
 TIMES = ("rollout_s", "scoring_s", "update_s")   # wall-clock fields of a record, with tokens_per_sec
@@ -121,7 +120,7 @@ def build(config, workdir: str, devices=None, *, held: contextlib.ExitStack | No
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     initial = _initial_params(s, policy, value, reward_model)
   return Run(s, workdir, policy, value, reward_model, rewards.get(p.reward_fn) if p.reward_fn else None, prompts,
-             scoring.scoring_pass(c, value.config, reward_model, s.mesh), rollout.sampler(c), initial)
+             scoring.scoring_pass(s.policy, value.policy, reward_model, s.mesh), rollout.sampler(s.policy), initial)
 
 
 def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part, reward_model) -> dict:
@@ -129,7 +128,7 @@ def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part,
   value model's: the reward model's, or the policy's with a fresh head."""
   c = s.config
   seed = jax.random.fold_in(jax.random.key(c.seed), 0)
-  fresh = lambda part: jax.jit(lambda k: params_lib.init(part.config, k),
+  fresh = lambda part: jax.jit(lambda k: params_lib.init(part.policy, k),
                                out_shardings=part.sharding["params"])(seed)
   params = fresh(policy)
   if c.init_from:
@@ -138,8 +137,9 @@ def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part,
   reward = None
   if reward_model:
     reward = init_from.pretrained_params(_replace(c, model=reward_model, init_from=c.ppo.reward_from), s.mesh, s.rules)
-  source = params_lib.base(c, params) if reward is None else reward
-  value_params, _ = init_from.initial_params(value.config, fresh(value), params_lib.prepare(value.config, source))
+  source = params_lib.base(s.policy, params) if reward is None else reward
+  pretrained = params_lib.from_pretrained(value.policy, source)
+  value_params, _ = init_from.initial_params(value.config, fresh(value), pretrained)
   put = lambda tree, part: jax.device_put(tree, part.sharding["params"])
   return {"policy": put(params, policy), "value": put(value_params, value), "reward_model": reward}
 
@@ -162,7 +162,7 @@ def initial_state(run: Run) -> dict:
 
   def train_state(part, params):
     params = jax.tree.map(jnp.copy, params)
-    return step.init_state(params, part.tx, params_lib.trainable_mask(part.config))
+    return step.init_state(params, part.tx, part.policy.trainable)
   state = {"policy": train_state(run.policy, run.initial["policy"]),
            "value": train_state(run.value, run.initial["value"]),
            "rng": jax.random.key_data(jax.random.fold_in(jax.random.key(c.seed), 1)),
@@ -239,31 +239,24 @@ def loop(run: Run, workdir: str) -> dict:
   lm_jax.loop's schedules: a record every config.log_every iterations in workdir/metrics.jsonl, checkpoints (the PPO
   state, and the policy in WORKDIR/policy) on schedule and on SIGTERM. The goodput line counts from here (build()'s
   time is not in it)."""
-  s, c, ledger = run.setup, run.setup.config, goodput.Ledger()
-  mngr, policy_mngr = checkpoint.manager(workdir, c.keep_checkpoints), _policy_workdir(run, workdir)
-  ptx_it = _ptx_iterator(run)
-  data_state = lambda: checkpoint.data_state(ptx_it) if ptx_it else {}
+  c = run.setup.config
+  with loop_lib.session(workdir, run.setup) as session:
+    mngr, ledger = session.mngr, session.ledger
+    policy_mngr = session.adopt(_policy_workdir(run, workdir))
+    ptx_it = session.closes(_ptx_iterator(run))
+    data_state = lambda: checkpoint.data_state(ptx_it) if ptx_it else {}
 
-  def save(it, state):
-    checkpoint.save(mngr, it, state, data_state(), c)
-    checkpoint.save(policy_mngr, it, state["policy"], {}, run.policy.config)
-  with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+    def save(it, state):
+      checkpoint.save(mngr, it, state, data_state(), c)
+      checkpoint.save(policy_mngr, it, state["policy"], {}, run.policy.config)
     with ledger.timing("restore"):
       restored = checkpoint.restore_latest(mngr, *_layout(run), c, with_data=True)
       if restored is None:
         state, start = initial_state(run), 0
       else:
         state, start = restored.state, loop_lib.resume(restored, mngr.directory, ptx_it, "iteration")
-    log = metrics_log.MetricsLog(workdir, start, config=c)
-    schedules = loop_lib.Schedules(c, mngr, log, record=lambda window, seconds: window[-1], save=save, ledger=ledger,
-                                   data_state=data_state, unit="iteration")
+    schedules = loop_lib.Schedules(c, mngr, session.open_log(start), record=lambda window, seconds: window[-1],
+                                   save=save, ledger=ledger, data_state=data_state, unit="iteration")
     state, result = loop_lib.run(schedules, lambda state, it: iteration(run, state, ptx_it, it), state, start,
                                  c.phase_end_step or c.total_steps)
-    for m in (mngr, policy_mngr):
-      with ledger.timing("checkpoint"):
-        checkpoint.finish(m)
-      m.close()
-    loop_lib.finish(log, ledger)
-    if ptx_it:
-      ptx_it.close()
   return {**result, "state": state}

@@ -11,9 +11,10 @@ import numpy as np
 from lm_jax import decoding, params as params_lib
 
 
-def sampler(config):
-  """policy params -> what decoding samples from: the params, with adapters merged (jitted, params.materialize)."""
-  return jax.jit(lambda p: params_lib.materialize(config, p)) if params_lib.method(config) else lambda p: p
+def sampler(run):
+  """policy params -> what decoding samples from: the params, with adapters merged (jitted, params.for_inference);
+  run: the policy model's params.Policy."""
+  return jax.jit(lambda p: params_lib.for_inference(run, p)) if run.method else lambda p: p
 
 
 def sample(config, tokenizer, params, prompts: list, gen: np.random.Generator) -> tuple[list, list]:

@@ -40,10 +40,11 @@ def values(config, params, batch):
   return _responses(config, models.apply(config.model, params, inputs(batch))["scores"])[..., 0]
 
 
-def _as_in_step(config, fn, params, batch):
-  """fn(config, params, batch) outside the train step, adapters applied as the step applies them."""
-  with params_lib.running(config, train=False):
-    return fn(config, params, batch)
+def _as_in_step(policy, fn, params, batch):
+  """fn(config, params, batch) outside the train step, adapters applied as the step applies them (policy: the
+  model's params.Policy)."""
+  with params_lib.running(policy, train=False):
+    return fn(policy.config, params, batch)
 
 
 def exact_rewards(tokenizer, reward_fn, prompts, responses) -> np.ndarray:
@@ -53,17 +54,18 @@ def exact_rewards(tokenizer, reward_fn, prompts, responses) -> np.ndarray:
   return np.array([reward_fn(text(q), text(r)) for q, r in zip(prompts, responses)], np.float32)
 
 
-def scoring_pass(config, value_config, reward_model, mesh):
+def scoring_pass(policy_run, value_run, reward_model, mesh):
   """Jitted (policy, reference, value, reward-model params, rollout batch, beta) -> the rollouts' update targets
-  (logprobs, values, advantages, returns) and their per-sequence statistics, replicated. Without a reward model
-  the batch carries the exact rewards as 'scores'."""
-  p = config.ppo
+  (logprobs, values, advantages, returns) and their per-sequence statistics, replicated (policy_run,
+  value_run: the two models' params.Policy). Without a reward model the batch carries the exact rewards as
+  'scores'."""
+  p = policy_run.config.ppo
 
   def score(policy, reference, value, reward, batch, kl_coef):
     mask = batch["response_mask"]
-    logprobs, logits = _as_in_step(config, policy_out, policy, batch)
-    ref_logprobs, _ = _as_in_step(config, policy_out, reference, batch)
-    value_of = _as_in_step(value_config, values, value, batch) * mask
+    logprobs, logits = _as_in_step(policy_run, policy_out, policy, batch)
+    ref_logprobs, _ = _as_in_step(policy_run, policy_out, reference, batch)
+    value_of = _as_in_step(value_run, values, value, batch) * mask
     scores = reward_lib.sequence_rewards(reward_model, reward, inputs(batch)) if reward_model else batch["scores"]
     token_rewards, kl = ppo_math.token_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
     advantages, returns = ppo_math.gae(token_rewards, value_of, mask, p.gamma, p.lam)

@@ -61,8 +61,9 @@ VALUE = types.SimpleNamespace(loss=_value_loss, denominators=_response_tokens)
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-  """One trained model: its config (model, optimizer, update-counting schedule) and its jitted update."""
+  """One trained model: its config (model, optimizer, update-counting schedule), params policy and jitted update."""
   config: object
+  policy: object       # its params.Policy
   tx: object
   abstract: dict
   sharding: dict
@@ -72,8 +73,8 @@ class Part:
 def part(config, mesh, rules, objective) -> Part:
   """The model of `config` trained on `objective` (POLICY or VALUE) by lm_jax.step's train step."""
   lay = layout_lib.build(config, mesh, rules)
-  return Part(config, lay.tx, lay.abstract_state, lay.state_sharding,
-              step.make_train_step(config, objective, lay.tx, lay.lr_schedule, lay.state_sharding, mesh))
+  return Part(config, lay.policy, lay.tx, lay.abstract_state, lay.state_sharding,
+              step.make_train_step(lay.policy, objective, lay.tx, lay.lr_schedule, lay.state_sharding, mesh))
 
 
 def epochs(policy: Part, value: Part, states: tuple, rollouts: dict, gen: np.random.Generator, ptx_it,
