@@ -54,7 +54,7 @@ def _config(args):
 
 def ours(args) -> dict:
   from lm_jax import init_from, malloc, params, train
-  from lm_jax.evals import predict
+  from lm_jax.evals import predict, run_eval
   from lm_jax.obs import metrics_log
   malloc.keep_freed_memory()
   config = _config(args)
@@ -67,8 +67,8 @@ def ours(args) -> dict:
     for split in ("dev", "test"):
       c = config.copy_and_resolve_references()
       c.task.test_split = split
-      s, params, _ = train.restore_params(c, workdir)
-      accuracy[split] = predict.predict(s, params, workdir)[1]["test_accuracy"]
+      s, weights, _ = run_eval.restore_params(c, workdir)
+      accuracy[split] = predict.predict(s, weights, workdir)[1]["test_accuracy"]
   return dict(dev_accuracy=accuracy["dev"], test_accuracy=accuracy["test"], tokens_per_sec=statistics.median(speeds),
               trainable=trainable, peak_gib=_peak_gib())
 
