@@ -5,7 +5,7 @@ ConfigError (exit code 2)."""
 import jax
 import numpy as np
 
-from lm_jax import config_lib, decoding, models, params as params_lib, train
+from lm_jax import config_lib, decoding, models, params as params_lib, storage, train
 
 MASK = "[MASK]"
 # The generate flags that only one decoding method reads.
@@ -20,7 +20,7 @@ def read_prompts(prompts, prompts_file: str | None) -> list[str]:
   out = list(prompts or [])
   if prompts_file:
     try:
-      with open(prompts_file, encoding="utf-8") as f:
+      with storage.open(prompts_file, "r", encoding="utf-8") as f:
         lines = [line.rstrip("\n") for line in f if line.strip()]
     except UnicodeDecodeError as e:
       raise ValueError(f"--prompts_file={prompts_file}: not UTF-8 text (byte {e.start}: {e.reason})") from None
