@@ -320,3 +320,76 @@ def test_a_mixture_of_bucket_globs_trains_as_the_same_local_files(corpus, shared
     runs[root] = workdir
   same_records(records(str(runs[BUCKET])), records(str(runs[str(d)])))
   same_records(records(str(runs[BUCKET]), "eval"), records(str(runs[str(d)]), "eval"))
+
+
+def test_a_fine_tune_from_a_bucket_workdir_on_bucket_task_files(gs_run, shared_data, tmp_path):
+  """configs/finetune/gpt1.py:tiny from the gs:// run's checkpoint and tokenizer, on SST-2 .tsv files in the bucket,
+  logs the losses of the same fine-tune on the local files."""
+  task = tmp_path / "sst2"
+  task.mkdir()
+  for split, n in (("train", 200), ("dev", 40)):
+    lines = (shared_data / "sst2" / f"{split}.tsv").read_text().splitlines(keepends=True)[:n]
+    (task / f"{split}.tsv").write_text("".join(lines))
+  upload(task, "gs://testbucket/sst2")
+  args = ["--config=configs/finetune/gpt1.py:tiny", f"--config.init_from={gs_run['workdir']}", "--config.batch_size=8",
+          "--config.data.seq_len=32", "--config.total_steps=2", "--config.log_every=1", "--config.eval_every=2",
+          "--config.data.train_split=train", "--config.data.eval_split=dev[:16]"]
+  runs = {}
+  for files in ("gs://testbucket/sst2/{split}.tsv", str(task / "{split}.tsv")):
+    runs[files] = p = cli(*args, f"--config.task.files={files}", f"--workdir={tmp_path / str(len(runs))}")
+    assert p.returncode == 0 and quiet(p.stderr) == [], p.stderr[-3000:]
+  same_records(records(str(tmp_path / "0")), records(str(tmp_path / "1")))
+  same_records(records(str(tmp_path / "0"), "eval"), records(str(tmp_path / "1"), "eval"))
+
+
+def test_prompts_file_and_tokenizer_in_a_bucket(gs_run, tmp_path):
+  """--mode=generate with --prompts_file and config.data.tokenizer on gs:// prints what the same prompts and
+  tokenizer on a local disk give."""
+  [model] = [u for u in storage.list_files(gs_run["workdir"]) if u.endswith(".model")]
+  (tmp_path / "prompts.txt").write_text("ROMEO:\n\nJULIET: O\n")
+  (tmp_path / "tok.model").write_bytes(storage.path(model).read_bytes())
+  upload(tmp_path, "gs://testbucket/inputs")
+  out = {}
+  for root in ("gs://testbucket/inputs", str(tmp_path)):
+    p = cli(*gs_run["args"], "--config.total_steps=6", "--mode=generate", f"--workdir={gs_run['local']}",
+            f"--prompts_file={root}/prompts.txt", f"--config.data.tokenizer={root}/tok.model", "--max_new_tokens=3")
+    assert p.returncode == 0 and quiet(p.stderr) == [], p.stderr[-3000:]
+    out[root] = p.stdout
+  assert out["gs://testbucket/inputs"] == out[str(tmp_path)] and "JULIET: O" in out[str(tmp_path)]
+  missing = cli(*gs_run["args"], "--mode=generate", f"--workdir={gs_run['local']}",
+                "--prompts_file=gs://testbucket/inputs/none.txt")
+  assert missing.returncode == 1 and quiet(missing.stderr) == [
+      "error: [Errno 2] No such file or directory: 'gs://testbucket/inputs/none.txt'"], missing.stderr
+
+
+def test_a_hugging_face_tokenizer_folder_in_a_bucket(gcs_server, tmp_path):
+  """A WordPiece vocab.txt folder (with its tokenizer_config.json) loads from gs:// as from a local disk; .path is
+  the URL."""
+  from lm_jax.data import tokenizer as tokenizer_lib
+  words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "##s", "on", "mat"]
+  (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+  (tmp_path / "model.safetensors").write_bytes(b"not read")
+  upload(tmp_path, "gs://testbucket/hf_tok")
+  local, remote = (tokenizer_lib.load(p, "bert") for p in (str(tmp_path), "gs://testbucket/hf_tok"))
+  assert remote.encode("The cats sat") == local.encode("The cats sat") == [5, 6, 8, 7]
+  assert remote.serialized == local.serialized and remote.path == "gs://testbucket/hf_tok/vocab.txt"
+  with pytest.raises(FileNotFoundError, match="^config.data.tokenizer: gs://testbucket/none does not exist$"):
+    tokenizer_lib.load("gs://testbucket/none", "bert")
+
+
+def test_a_lora_adapter_in_a_bucket(gcs_server, tmp_path):
+  """config.lora.init_from on gs:// loads the adapters of the same PEFT directory on a local disk."""
+  from test_lora import random_params, run_config
+
+  from lm_jax.peft import lora
+  config = run_config("gpt")
+  lora.save(config, random_params(config), str(tmp_path / "adapter"))
+  upload(tmp_path / "adapter", "gs://testbucket/adapter")
+  config.lora.init_from = "gs://testbucket/adapter"
+  lora.check(config)
+  jax.tree.map(np.testing.assert_array_equal, lora.load(config, "gs://testbucket/adapter"),
+               lora.load(config, str(tmp_path / "adapter")))
+  config.lora.init_from = "gs://testbucket/none"
+  with pytest.raises(FileNotFoundError, match="^config.lora.init_from='gs://testbucket/none': no adapter_config"):
+    lora.check(config)
