@@ -5,7 +5,8 @@ checkpoints) reading the same emulator settings. Local paths pass through untouc
 Importing it quiets the storage libraries: gcsfs's experimental bucket-type probe (on by default in gcsfs 2026.x)
 asks the Storage Control API for every bucket and, without Application Default Credentials, warns on each
 operation; gcsfs logs each failed request with a traceback before raising it, and lm_jax reports the raised error
-in one line naming the path. With STORAGE_EMULATOR_HOST (a local GCS server, such as fake-gcs-server in the tests)
+in one line naming the path; google-auth warns of each place it found no credentials, and lm_jax says so in one
+line (_check_credentials). With STORAGE_EMULATOR_HOST (a local GCS server, such as fake-gcs-server in the tests)
 tensorstore is pointed at the same server and told that no credentials are needed.
 """
 import atexit
@@ -27,6 +28,7 @@ if os.environ.get("STORAGE_EMULATOR_HOST"):
   os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")   # tensorstore: no credential search
 for _name in ("gcsfs", "fsspec"):
   logging.getLogger(_name).setLevel(logging.CRITICAL)
+logging.getLogger("google.auth._default").setLevel(logging.ERROR)   # a warning per place it found no credentials
 
 
 class StorageError(OSError):

@@ -393,3 +393,68 @@ def test_a_lora_adapter_in_a_bucket(gcs_server, tmp_path):
   config.lora.init_from = "gs://testbucket/none"
   with pytest.raises(FileNotFoundError, match="^config.lora.init_from='gs://testbucket/none': no adapter_config"):
     lora.check(config)
+
+
+# ------------------------------------------------------------------------------------- credentials and permission
+def _cli_without_gcs_env(*args, **env):
+  """The CLI with none of the gcs_server fixture's emulator variables, plus `env`."""
+  base = {k: v for k, v in os.environ.items() if k not in gcs_env(0) and k != "GOOGLE_APPLICATION_CREDENTIALS"}
+  return subprocess.run([sys.executable, "-m", "lm_jax.main", *args], cwd=REPO, capture_output=True, text=True,
+                        env={**base, **env}, timeout=300)
+
+
+@pytest.mark.parametrize("where", ["data", "workdir"])
+def test_missing_credentials_are_one_line_at_start(shared_data, tmp_path, where):
+  """No STORAGE_EMULATOR_HOST and no Application Default Credentials (HOME and gcloud's config empty, no metadata
+  server looked for): the run stops at its first gs:// path, in one line naming it, and creates nothing."""
+  if where == "data":
+    args, named = ["--config.data.files=gs://testbucket/x.txt", f"--workdir={tmp_path / 'run'}"], "gs://testbucket/x.txt"
+  else:
+    args, named = ["--workdir=gs://testbucket/run"], "gs://testbucket/run/run.lock"
+  p = _cli_without_gcs_env(*flags("clm", shared_data), "--config.total_steps=2", *args, HOME=str(tmp_path),
+                           CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), NO_GCE_CHECK="true")
+  assert p.returncode == 1
+  assert p.stderr.splitlines() == [f"error: {named}: no Google Cloud credentials (run `gcloud auth "
+                                   "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, or run on a VM "
+                                   "with a service account)"], p.stderr[-3000:]
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.fixture
+def refusing_server():
+  """A local HTTP server that answers 403 (GCS's JSON error) to every request: storage that refuses permission."""
+  import http.server
+  import threading
+
+  class Refuse(http.server.BaseHTTPRequestHandler):
+    def _refuse(self):
+      body = json.dumps({"error": {"code": 403, "message": "caller does not have storage.objects.list access"}})
+      self.send_response(403)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body.encode())
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _refuse
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("localhost", 0), Refuse)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  yield f"http://localhost:{server.server_address[1]}"
+  server.shutdown()
+
+
+@pytest.mark.parametrize("where", ["data", "workdir"])
+def test_a_permission_refusal_is_one_line_at_start(shared_data, tmp_path, refusing_server, where):
+  if where == "data":
+    args, start = ["--config.data.files=gs://testbucket/x.txt", f"--workdir={tmp_path / 'run'}"], \
+        "error: gs://testbucket/x.txt: permission denied"
+  else:
+    args, start = ["--workdir=gs://testbucket/run"], "error: cannot create the workdir lock gs://testbucket/run/run.lock: 403 "
+  p = _cli_without_gcs_env(*flags("clm", shared_data), "--config.total_steps=2", *args,
+                           STORAGE_EMULATOR_HOST=refusing_server)
+  assert p.returncode == 1
+  [line] = quiet(p.stderr)
+  assert line.startswith(start), p.stderr[-3000:]
