@@ -458,3 +458,67 @@ def test_a_permission_refusal_is_one_line_at_start(shared_data, tmp_path, refusi
   assert p.returncode == 1
   [line] = quiet(p.stderr)
   assert line.startswith(start), p.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------- kill -9, several processes, W&B
+def test_kill_9_then_resume_is_bit_identical_to_an_uninterrupted_run(gcs_server, shared_data, tmp_path):
+  """A gs:// run killed with SIGKILL once step 60 is logged (a checkpoint every 7 steps, so maybe mid-save) resumes
+  to the records of the same run uninterrupted on a local disk, every loss exact."""
+  args = flags("clm", shared_data, log_every=1, eval_every=50, checkpoint_every=7, **{"optimizer.lr": 1e-2})
+  args += ["--config.total_steps=100"]
+  with open(tmp_path / "log", "w") as log:
+    run = subprocess.Popen([sys.executable, "-m", "lm_jax.main", *args, "--workdir=gs://testbucket/killed"], cwd=REPO,
+                           stdout=log, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 300
+    while not any(r.get("step", 0) >= 60 for r in metrics_log.read("gs://testbucket/killed/metrics.jsonl")):
+      assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+      time.sleep(0.2)
+  finally:
+    run.kill()
+    run.wait()
+  resumed = cli(*args, "--workdir=gs://testbucket/killed")
+  reference = cli(*args, f"--workdir={tmp_path / 'local'}")
+  for p in (resumed, reference):
+    assert p.returncode == 0, p.stderr[-3000:]
+  assert re.search(r"resumed step (56|63|70|77|84|91|98) from gs://testbucket/killed/checkpoints", resumed.stdout)
+  same_records(records("gs://testbucket/killed"), records(str(tmp_path / "local")))
+  same_records(records("gs://testbucket/killed", "eval"), records(str(tmp_path / "local"), "eval"))
+
+
+def test_two_processes_on_a_bucket_workdir_log_the_records_of_one(gcs_server, shared_data, tmp_path):
+  """launch/local.sh 2 (2 processes x 4 CPU devices) training into gs:// logs the losses of 1 process x 8 devices
+  on a local disk."""
+  overrides = {"data.files": shared_data / "tiny_shakespeare" / "input.txt", "data.tfds_name": "", "total_steps": 6,
+               "checkpoint_every": 3, "log_every": 1, "eval_every": 0, "batch_size": 8, "data.seq_len": 32,
+               "data.shards": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "model.vocab_size": 256}
+  args = ["--config=configs/gpt1.py:tiny", *(f"--config.{k}={v}" for k, v in overrides.items())]
+  env = lambda devices: dict(os.environ, JAX_PLATFORMS="cpu", LM_JAX_DEVICES_PER_PROCESS=str(devices),
+                             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=str(REPO),
+                             LM_JAX_LOG_DIR=str(tmp_path / "logs"))
+  two = subprocess.run([str(REPO / "launch" / "local.sh"), "2", *args, "--workdir=gs://testbucket/two"], cwd=REPO,
+                       env=env(4), capture_output=True, text=True, timeout=600)
+  logs = "".join(p.read_text()[-2000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+  assert two.returncode == 0, logs
+  one = subprocess.run([sys.executable, "-m", "lm_jax.main", *args, f"--workdir={tmp_path / 'one'}"], cwd=REPO,
+                       env=env(8), capture_output=True, text=True, timeout=600)
+  assert one.returncode == 0, one.stderr[-3000:]
+  got, expected = records("gs://testbucket/two"), records(str(tmp_path / "one"))
+  assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, 7))
+  for x, y in zip(got, expected):
+    assert x["loss"] == pytest.approx(y["loss"], abs=1e-5), (x, y)
+  assert {u.rsplit("/", 2)[1] for u in storage.find("gs://testbucket/two/checkpoints")} >= {"3", "6"}
+
+
+def test_wandb_offline_with_a_bucket_workdir(gcs_server, shared_data, tmp_path):
+  """W&B (offline) beside a gs:// workdir: its files go to WANDB_DIR (a local folder; W&B writes no bucket), its run
+  id is kept in the bucket, and the offline run holds exactly the records of metrics.jsonl."""
+  from test_wandb import _offline_run
+  workdir = "gs://testbucket/wandb"
+  p = cli(*flags("clm", shared_data, log_every=2, **{"wandb.project": "lm_jax_test"}), "--config.total_steps=4",
+          f"--workdir={workdir}", env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+  assert p.returncode == 0, p.stderr[-3000:]   # stderr: W&B's own offline lines, as with a local workdir
+  [run_dir] = sorted((tmp_path / "wandb").glob("offline-run-*"))
+  run = _offline_run(run_dir)
+  assert run["id"] == storage.path(f"{workdir}/wandb_run_id").read_text()
+  assert run["history"] == metrics_log.read(f"{workdir}/metrics.jsonl") and len(run["history"]) >= 2
