@@ -376,6 +376,8 @@ def test_a_hugging_face_tokenizer_folder_in_a_bucket(gcs_server, tmp_path):
   assert remote.serialized == local.serialized and remote.path == "gs://testbucket/hf_tok/vocab.txt"
   with pytest.raises(FileNotFoundError, match="^config.data.tokenizer: gs://testbucket/none does not exist$"):
     tokenizer_lib.load("gs://testbucket/none", "bert")
+  with pytest.raises(ValueError, match="^tokenizer gs://testbucket/hf_tok/vocab.txt: a t5 tokenizer needs <extra_id"):
+    tokenizer_lib.load("gs://testbucket/hf_tok", "t5")
 
 
 def test_a_lora_adapter_in_a_bucket(gcs_server, tmp_path):

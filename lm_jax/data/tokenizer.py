@@ -238,6 +238,8 @@ def load(path: str, family: str) -> Tokenizer:
 
 
 def _load_remote(url: str, family: str) -> Tokenizer:
+  """load() of a URL: a .model's bytes are read directly; the HF readers take local files, so the tokenizer files of
+  the folder (not its weights) are copied to a temporary one, and errors name the URL."""
   if not storage.exists(url):
     raise FileNotFoundError(f"config.data.tokenizer: {url} does not exist")
   folder, name = (url, "") if storage.isdir(url) else url.rsplit("/", 1)
@@ -250,6 +252,8 @@ def _load_remote(url: str, family: str) -> Tokenizer:
       if f.rsplit("/", 1)[1] in wanted | set(_HF_FILES[2:]):
         pathlib.Path(local, f.rsplit("/", 1)[1]).write_bytes(storage.path(f).read_bytes())
     tok = load(os.path.join(local, name), family)
+  except (ValueError, FileNotFoundError) as e:
+    raise type(e)(str(e).replace(local, folder)) from None
   finally:
     shutil.rmtree(local, ignore_errors=True)
   tok.path = folder + tok.path[len(local):].rstrip("/")
