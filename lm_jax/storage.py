@@ -1,6 +1,8 @@
 """The one layer remote paths (gs://... and other fsspec URLs) go through: etils.epath (gcsfs underneath) for
 files, google-cloud-storage for what needs object preconditions (the workdir lock), tensorstore (orbax's
-checkpoints) reading the same emulator settings. Local paths pass through untouched.
+checkpoints) reading the same emulator settings. Local paths pass through untouched; the data readers' helpers
+(glob, open, isdir, isfile, exists, getsize, version) take either and give local ones to the os / builtins calls
+they used before.
 
 Importing it quiets the storage libraries: gcsfs's experimental bucket-type probe (on by default in gcsfs 2026.x)
 asks the Storage Control API for every bucket and, without Application Default Credentials, warns on each

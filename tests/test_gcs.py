@@ -1,6 +1,9 @@
-"""gs:// workdirs and exports against a real GCS API server (fake-gcs-server, the gcs_server fixture): a run trains,
-checkpoints, resumes and evaluates in a bucket with the records of a local run and a quiet stderr; one run per
-workdir; metrics.jsonl in appended segments; exports written whole or not at all; one-line errors."""
+"""gs:// workdirs, data and exports against a real GCS API server (fake-gcs-server, the gcs_server fixture): a run
+trains, checkpoints, resumes (after kill -9 too) and evaluates in a bucket with the records of a local run and a quiet
+stderr, on 2 processes as on 1; one run per workdir; metrics.jsonl in appended segments; W&B beside it; exports
+written whole or not at all; data (every format, mixture globs, task files, tokenizers, prompts, adapters) read from
+a bucket as from a local disk; one-line errors for a missing bucket, missing credentials, a permission refusal and a
+server gone mid-save."""
 import json
 import os
 import pathlib
