@@ -1,15 +1,22 @@
 """The one layer remote paths (gs://... and other fsspec URLs) go through: etils.epath (gcsfs underneath) for
 files, google-cloud-storage for what needs object preconditions (the workdir lock), tensorstore (orbax's
-checkpoints) reading the same emulator settings. Local paths pass through untouched.
+checkpoints) reading the same emulator settings. Local paths pass through untouched; the data readers' helpers
+(glob, open, isdir, isfile, exists, getsize, version) take either and give local ones to the os / builtins calls
+they used before.
 
 Importing it quiets the storage libraries: gcsfs's experimental bucket-type probe (on by default in gcsfs 2026.x)
 asks the Storage Control API for every bucket and, without Application Default Credentials, warns on each
 operation; gcsfs logs each failed request with a traceback before raising it, and lm_jax reports the raised error
-in one line naming the path. With STORAGE_EMULATOR_HOST (a local GCS server, such as fake-gcs-server in the tests)
+in one line naming the path; google-auth warns of each place it found no credentials, and lm_jax says so in one
+line (_check_credentials). With STORAGE_EMULATOR_HOST (a local GCS server, such as fake-gcs-server in the tests)
 tensorstore is pointed at the same server and told that no credentials are needed.
 """
 import atexit
+import builtins
 import contextlib
+import errno
+import glob as glob_lib
+import importlib
 import logging
 import os
 import shutil
@@ -23,6 +30,7 @@ if os.environ.get("STORAGE_EMULATOR_HOST"):
   os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")   # tensorstore: no credential search
 for _name in ("gcsfs", "fsspec"):
   logging.getLogger(_name).setLevel(logging.CRITICAL)
+logging.getLogger("google.auth._default").setLevel(logging.ERROR)   # a warning per place it found no credentials
 
 
 class StorageError(OSError):
@@ -34,13 +42,34 @@ def is_remote(path) -> bool:
 
 
 def path(p) -> epath.Path:
-  """epath.Path of a local path or URL; gs:// without gcsfs installed -> one line saying what to install."""
+  """epath.Path of a local path or URL; gs:// without gcsfs installed, or without credentials -> one line."""
   if str(p).startswith("gs://"):
     try:
-      import gcsfs  # noqa: F401
+      importlib.import_module("gcsfs")
     except ImportError:
       raise StorageError(f"{p}: gs:// paths need gcsfs (pip install -r requirements.txt)") from None
+    _check_credentials(p)
   return epath.Path(p)
+
+
+_CREDENTIALS_FOUND = False
+
+
+def _check_credentials(url):
+  """StorageError naming `url` when gs:// has neither an emulator (STORAGE_EMULATOR_HOST) nor Application Default
+  Credentials: without them gcsfs would go on anonymously and fail later, on a bucket that is not public, with
+  retries and a traceback. Looked up once per process."""
+  global _CREDENTIALS_FOUND
+  if _CREDENTIALS_FOUND or os.environ.get("STORAGE_EMULATOR_HOST"):
+    return
+  import google.auth
+  from google.auth import exceptions
+  try:
+    google.auth.default()
+  except exceptions.DefaultCredentialsError:
+    raise StorageError(f"{url}: no Google Cloud credentials (run `gcloud auth application-default login`, set "
+                       "GOOGLE_APPLICATION_CREDENTIALS, or run on a VM with a service account)") from None
+  _CREDENTIALS_FOUND = True
 
 
 def describe(error: BaseException) -> str:
@@ -63,15 +92,17 @@ def bucket_and_key(url: str) -> tuple[str, str]:
 def gcs_blob(url: str):
   """google-cloud-storage Blob of a gs:// URL (anonymous against STORAGE_EMULATOR_HOST)."""
   bucket, key = bucket_and_key(url)
-  return _client().bucket(bucket).blob(key)
+  return _client(url).bucket(bucket).blob(key)
 
 
 _CLIENT = None
 
 
-def _client():
+def _client(url: str):
+  """google-cloud-storage's client, made once; `url` names what it is for in an error."""
   global _CLIENT
   if _CLIENT is None:
+    _check_credentials(url)
     from google.cloud import storage
     _CLIENT = storage.Client()
   return _CLIENT
@@ -83,7 +114,7 @@ def check_bucket(url: str):
     return
   bucket = bucket_and_key(url)[0]
   try:
-    exists = _client().bucket(bucket).exists()
+    exists = _client(url).bucket(bucket).exists()
   except Exception as e:  # noqa: BLE001  (auth, network, permission: each its own library's class)
     raise StorageError(f"cannot reach bucket gs://{bucket} for {url}: {describe(e)}") from None
   if not exists:
@@ -140,6 +171,19 @@ def local_dir(url: str) -> str:
   return _DOWNLOADS[url]
 
 
+def local_file(url: str) -> str:
+  """A local copy of one remote file, made once per process (the path itself when local)."""
+  if not is_remote(url):
+    return str(url)
+  if url not in _DOWNLOADS:
+    tmp = tempfile.mkdtemp(prefix="lm_jax-download-")
+    atexit.register(shutil.rmtree, tmp, True)
+    dest = os.path.join(tmp, str(url).rsplit("/", 1)[1])
+    _remote(url, _fs(url).get_file, str(url), dest)
+    _DOWNLOADS[url] = dest
+  return _DOWNLOADS[url]
+
+
 def _fs(url: str):
   import fsspec
   if str(url).startswith("gs://"):
@@ -175,3 +219,68 @@ def remove(urls: list[str]):
       _fs(urls[0]).rm(list(urls))
     except FileNotFoundError:
       pass
+
+
+# ------------------------------------------------------------------------------- data files, local or remote
+def glob(pattern: str) -> list[str]:
+  """The sorted matches of a glob ('**' spans folders): local ones as glob.glob gives them, remote ones as URLs read
+  fresh from the server."""
+  if not is_remote(pattern):
+    return sorted(glob_lib.glob(pattern, recursive=True))
+  fs = _fs(pattern)
+  fs.invalidate_cache()
+  try:
+    found = _remote(pattern, fs.glob, pattern)
+  except FileNotFoundError:
+    found = []
+  if not found:   # a missing bucket is said so, rather than as a glob matching nothing
+    check_bucket(pattern)
+  return sorted(f"{_scheme(pattern)}://{p}" for p in found)
+
+
+def open(p, mode: str = "rb", **kwargs):
+  """A file object of a local path (builtins.open) or a URL (fsspec, read in blocks as it is consumed)."""
+  if not is_remote(p):
+    return builtins.open(p, mode, **kwargs)
+  return _remote(p, _fs(p).open, str(p), mode, **kwargs)
+
+
+def isdir(p) -> bool:
+  """A local folder, or a remote prefix with objects under it."""
+  return os.path.isdir(p) if not is_remote(p) else _remote(p, _fs(p).isdir, str(p))
+
+
+def isfile(p) -> bool:
+  return os.path.isfile(p) if not is_remote(p) else _remote(p, _fs(p).isfile, str(p))
+
+
+def exists(p) -> bool:
+  return os.path.exists(p) if not is_remote(p) else _remote(p, _fs(p).exists, str(p))
+
+
+def getsize(p) -> int:
+  return os.path.getsize(p) if not is_remote(p) else _remote(p, _fs(p).size, str(p))
+
+
+def version(p) -> list:
+  """What changes when the file does: [absolute path, size, modification time in ns] of a local file, [URL, size,
+  generation (else ETag)] of a remote one."""
+  if not is_remote(p):
+    stat = os.stat(p)
+    return [os.path.abspath(p), stat.st_size, stat.st_mtime_ns]
+  info = _remote(p, _fs(p).info, str(p))
+  return [str(p), info["size"], info.get("generation") or info.get("etag") or info.get("updated")]
+
+
+def _remote(url, call, *args, **kwargs):
+  """call(*args, **kwargs) of a remote file system; what the server refuses or fails is a StorageError naming
+  `url` in one line (a missing file stays a FileNotFoundError)."""
+  try:
+    return call(*args, **kwargs)
+  except FileNotFoundError:   # gcsfs names the API's path ('b/bucket/o/key'): named here as open() would
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(url)) from None
+  except StorageError:
+    raise
+  except Exception as e:  # noqa: BLE001  (gcsfs: OSError 'Forbidden', HttpError, requests' and google.auth's own)
+    why = "permission denied" if describe(e).startswith("Forbidden") else describe(e)
+    raise StorageError(f"{url}: {why}") from None

@@ -1,6 +1,9 @@
-"""gs:// workdirs and exports against a real GCS API server (fake-gcs-server, the gcs_server fixture): a run trains,
-checkpoints, resumes and evaluates in a bucket with the records of a local run and a quiet stderr; one run per
-workdir; metrics.jsonl in appended segments; exports written whole or not at all; one-line errors."""
+"""gs:// workdirs, data and exports against a real GCS API server (fake-gcs-server, the gcs_server fixture): a run
+trains, checkpoints, resumes (after kill -9 too) and evaluates in a bucket with the records of a local run and a quiet
+stderr, on 2 processes as on 1; one run per workdir; metrics.jsonl in appended segments; W&B beside it; exports
+written whole or not at all; data (every format, mixture globs, task files, tokenizers, prompts, adapters) read from
+a bucket as from a local disk; one-line errors for a missing bucket, missing credentials, a permission refusal and a
+server gone mid-save."""
 import json
 import os
 import pathlib
@@ -233,3 +236,294 @@ def test_tpu_vm_setup_installs_what_gs_needs():
   names = {re.split(r"[<>=\[ #]", line, maxsplit=1)[0].lower()
            for line in (REPO / "requirements.txt").read_text().splitlines() if line.strip()}
   assert {"gcsfs", "google-cloud-storage"} <= names
+
+
+# ---------------------------------------------------------------------------------------------------- data paths
+BUCKET = "gs://testbucket/corpus"
+
+
+def upload(local: pathlib.Path, url: str):
+  """Every file under `local` to the prefix `url`."""
+  fs = storage._fs(url)
+  for f in sorted(p for p in local.rglob("*") if p.is_file()):
+    fs.put_file(str(f), f"{url}/{f.relative_to(local)}")
+
+
+@pytest.fixture(scope="module")
+def corpus(gcs_server, shared_data, tmp_path_factory):
+  """WikiText-2 valid's first documents in every format records.py reads, on a local disk and under BUCKET."""
+  import gzip
+
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  import zstandard
+  from lm_jax.data import records
+  d = tmp_path_factory.mktemp("corpus")
+  texts = list(records.read("valid", "text", files=str(shared_data / "wikitext-2-raw" / "wiki.valid.raw"),
+                            documents=True, origin="o", named_by="n"))[:120]
+  data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode() + b"not json\n"
+  (d / "sub").mkdir()
+  cut = data.index(b"\n", len(data) // 2) + 1
+  (d / "c.jsonl").write_bytes(data[:cut])
+  (d / "sub" / "d.jsonl").write_bytes(data[cut:])
+  (d / "c.jsonl.gz").write_bytes(gzip.compress(data))
+  (d / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+  (d / "c.txt").write_text("\n\n".join(texts[:60]))
+  table = pa.table({"text": texts})
+  pq.write_table(table, d / "c.parquet", row_group_size=50)
+  (d / "arrow").mkdir()
+  with pa.OSFile(str(d / "arrow" / "data-00000-of-00001.arrow"), "wb") as sink:
+    with pa.ipc.new_stream(sink, table.schema) as w:
+      for batch in table.to_batches(max_chunksize=50):
+        w.write_batch(batch)
+  (d / "arrow" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+  upload(d, BUCKET)
+  return d, texts
+
+
+@pytest.mark.parametrize("name", ["c.txt", "**/*.jsonl", "c.jsonl.gz", "c.jsonl.zst", "c.parquet", "arrow"])
+def test_every_format_reads_the_same_records_from_a_bucket(corpus, name, monkeypatch, tmp_path):
+  """A gs:// glob reads the records of the same files on a local disk, with the same tally; where() names the URL."""
+  from lm_jax.data import records
+  monkeypatch.setenv("LM_JAX_SPILL_DIR", str(tmp_path / "spill"))
+  d, texts = corpus
+  read = lambda files: records.read("train", "text", files=files, documents=True, origin="config.data.files",
+                                    named_by="config.data.text_field")
+  local, remote = read(f"{d}/{name}"), read(f"{BUCKET}/{name}")
+  assert list(remote) == list(local) and [t for t in remote if t in texts]
+  assert len(remote) == (60 if name == "c.txt" else 120 + (name != "c.parquet" and name != "arrow"))
+  assert [remote.where(i) for i in range(len(remote))] == [local.where(i).replace(str(d), BUCKET)
+                                                         for i in range(len(local))]
+  screen = lambda r: records.screen(r, lambda x: None).report()
+  assert screen(remote) == screen(local).replace(str(d), BUCKET)
+
+
+def test_a_bucket_glob_matching_nothing_is_the_local_error(corpus):
+  from lm_jax.data import records
+  d, _ = corpus
+  for root in (str(d), BUCKET):
+    with pytest.raises(FileNotFoundError, match=f"^config.data.files: no files match {root}/none\\*.txt$"):
+      records.read("train", "text", files=f"{root}/none*.txt", origin="config.data.files", named_by="n")
+  with pytest.raises(storage.StorageError, match="^bucket gs://nobucket of gs://nobucket/x.txt does not exist"):
+    records.read("train", "text", files="gs://nobucket/x.txt", origin="config.data.files", named_by="n")
+
+
+def test_a_mixture_of_bucket_globs_trains_as_the_same_local_files(corpus, shared_data, tmp_path):
+  """Two steps of a mixture of gs:// sources (a spilled .jsonl.gz, a recursive glob of .jsonl) log the losses of the
+  same mixture read from a local disk."""
+  d, _ = corpus
+  args = [*flags("clm", shared_data, log_every=1, eval_every=2), "--config.total_steps=2", "--config.data.files="]
+  runs = {}
+  for root in (BUCKET, str(d)):
+    mix = (dict(name="gz", files=f"{root}/c.jsonl.gz"), dict(name="json", files=f"{root}/**/*.jsonl", weight=2.0))
+    workdir = tmp_path / root.replace("/", "_").replace(":", "")
+    runs[root] = cli(*args, f"--config.data.mixture={mix!r}", f"--workdir={workdir}",
+                     env={"LM_JAX_SPILL_DIR": str(tmp_path / "spill")})
+    assert runs[root].returncode == 0 and quiet(runs[root].stderr) == [], runs[root].stderr[-3000:]
+    runs[root] = workdir
+  same_records(records(str(runs[BUCKET])), records(str(runs[str(d)])))
+  same_records(records(str(runs[BUCKET]), "eval"), records(str(runs[str(d)]), "eval"))
+
+
+def test_a_fine_tune_from_a_bucket_workdir_on_bucket_task_files(gs_run, shared_data, tmp_path):
+  """configs/finetune/gpt1.py:tiny from the gs:// run's checkpoint and tokenizer, on SST-2 .tsv files in the bucket,
+  logs the losses of the same fine-tune on the local files."""
+  task = tmp_path / "sst2"
+  task.mkdir()
+  for split, n in (("train", 200), ("dev", 40)):
+    lines = (shared_data / "sst2" / f"{split}.tsv").read_text().splitlines(keepends=True)[:n]
+    (task / f"{split}.tsv").write_text("".join(lines))
+  upload(task, "gs://testbucket/sst2")
+  args = ["--config=configs/finetune/gpt1.py:tiny", f"--config.init_from={gs_run['workdir']}", "--config.batch_size=8",
+          "--config.data.seq_len=32", "--config.total_steps=2", "--config.log_every=1", "--config.eval_every=2",
+          "--config.data.train_split=train", "--config.data.eval_split=dev[:16]"]
+  runs = {}
+  for files in ("gs://testbucket/sst2/{split}.tsv", str(task / "{split}.tsv")):
+    runs[files] = p = cli(*args, f"--config.task.files={files}", f"--workdir={tmp_path / str(len(runs))}")
+    assert p.returncode == 0 and quiet(p.stderr) == [], p.stderr[-3000:]
+  same_records(records(str(tmp_path / "0")), records(str(tmp_path / "1")))
+  same_records(records(str(tmp_path / "0"), "eval"), records(str(tmp_path / "1"), "eval"))
+
+
+def test_prompts_file_and_tokenizer_in_a_bucket(gs_run, tmp_path):
+  """--mode=generate with --prompts_file and config.data.tokenizer on gs:// prints what the same prompts and
+  tokenizer on a local disk give."""
+  [model] = [u for u in storage.list_files(gs_run["workdir"]) if u.endswith(".model")]
+  (tmp_path / "prompts.txt").write_text("ROMEO:\n\nJULIET: O\n")
+  (tmp_path / "tok.model").write_bytes(storage.path(model).read_bytes())
+  upload(tmp_path, "gs://testbucket/inputs")
+  out = {}
+  for root in ("gs://testbucket/inputs", str(tmp_path)):
+    p = cli(*gs_run["args"], "--config.total_steps=6", "--mode=generate", f"--workdir={gs_run['local']}",
+            f"--prompts_file={root}/prompts.txt", f"--config.data.tokenizer={root}/tok.model", "--max_new_tokens=3")
+    assert p.returncode == 0 and quiet(p.stderr) == [], p.stderr[-3000:]
+    out[root] = p.stdout
+  assert out["gs://testbucket/inputs"] == out[str(tmp_path)] and "JULIET: O" in out[str(tmp_path)]
+  missing = cli(*gs_run["args"], "--mode=generate", f"--workdir={gs_run['local']}",
+                "--prompts_file=gs://testbucket/inputs/none.txt")
+  assert missing.returncode == 1 and quiet(missing.stderr) == [
+      "error: [Errno 2] No such file or directory: 'gs://testbucket/inputs/none.txt'"], missing.stderr
+
+
+def test_a_hugging_face_tokenizer_folder_in_a_bucket(gcs_server, tmp_path):
+  """A WordPiece vocab.txt folder (with its tokenizer_config.json) loads from gs:// as from a local disk; .path is
+  the URL."""
+  from lm_jax.data import tokenizer as tokenizer_lib
+  words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "##s", "on", "mat"]
+  (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+  (tmp_path / "model.safetensors").write_bytes(b"not read")
+  upload(tmp_path, "gs://testbucket/hf_tok")
+  local, remote = (tokenizer_lib.load(p, "bert") for p in (str(tmp_path), "gs://testbucket/hf_tok"))
+  assert remote.encode("The cats sat") == local.encode("The cats sat") == [5, 6, 8, 7]
+  assert remote.serialized == local.serialized and remote.path == "gs://testbucket/hf_tok/vocab.txt"
+  with pytest.raises(FileNotFoundError, match="^config.data.tokenizer: gs://testbucket/none does not exist$"):
+    tokenizer_lib.load("gs://testbucket/none", "bert")
+  with pytest.raises(ValueError, match="^tokenizer gs://testbucket/hf_tok/vocab.txt: a t5 tokenizer needs <extra_id"):
+    tokenizer_lib.load("gs://testbucket/hf_tok", "t5")
+
+
+def test_a_lora_adapter_in_a_bucket(gcs_server, tmp_path):
+  """config.lora.init_from on gs:// loads the adapters of the same PEFT directory on a local disk."""
+  from test_lora import random_params, run_config
+
+  from lm_jax.peft import lora
+  config = run_config("gpt")
+  lora.save(config, random_params(config), str(tmp_path / "adapter"))
+  upload(tmp_path / "adapter", "gs://testbucket/adapter")
+  config.lora.init_from = "gs://testbucket/adapter"
+  lora.check(config)
+  jax.tree.map(np.testing.assert_array_equal, lora.load(config, "gs://testbucket/adapter"),
+               lora.load(config, str(tmp_path / "adapter")))
+  config.lora.init_from = "gs://testbucket/none"
+  with pytest.raises(FileNotFoundError, match="^config.lora.init_from='gs://testbucket/none': no adapter_config"):
+    lora.check(config)
+
+
+# ------------------------------------------------------------------------------------- credentials and permission
+def _cli_without_gcs_env(*args, **env):
+  """The CLI with none of the gcs_server fixture's emulator variables, plus `env`."""
+  base = {k: v for k, v in os.environ.items() if k not in gcs_env(0) and k != "GOOGLE_APPLICATION_CREDENTIALS"}
+  return subprocess.run([sys.executable, "-m", "lm_jax.main", *args], cwd=REPO, capture_output=True, text=True,
+                        env={**base, **env}, timeout=300)
+
+
+@pytest.mark.parametrize("where", ["data", "workdir"])
+def test_missing_credentials_are_one_line_at_start(shared_data, tmp_path, where):
+  """No STORAGE_EMULATOR_HOST and no Application Default Credentials (HOME and gcloud's config empty, no metadata
+  server looked for): the run stops at its first gs:// path, in one line naming it, and creates nothing."""
+  if where == "data":
+    args, named = ["--config.data.files=gs://testbucket/x.txt", f"--workdir={tmp_path / 'run'}"], "gs://testbucket/x.txt"
+  else:
+    args, named = ["--workdir=gs://testbucket/run"], "gs://testbucket/run/run.lock"
+  p = _cli_without_gcs_env(*flags("clm", shared_data), "--config.total_steps=2", *args, HOME=str(tmp_path),
+                           CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), NO_GCE_CHECK="true")
+  assert p.returncode == 1
+  assert p.stderr.splitlines() == [f"error: {named}: no Google Cloud credentials (run `gcloud auth "
+                                   "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, or run on a VM "
+                                   "with a service account)"], p.stderr[-3000:]
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.fixture
+def refusing_server():
+  """A local HTTP server that answers 403 (GCS's JSON error) to every request: storage that refuses permission."""
+  import http.server
+  import threading
+
+  class Refuse(http.server.BaseHTTPRequestHandler):
+    def _refuse(self):
+      body = json.dumps({"error": {"code": 403, "message": "caller does not have storage.objects.list access"}})
+      self.send_response(403)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body.encode())
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _refuse
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("localhost", 0), Refuse)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  yield f"http://localhost:{server.server_address[1]}"
+  server.shutdown()
+
+
+@pytest.mark.parametrize("where", ["data", "workdir"])
+def test_a_permission_refusal_is_one_line_at_start(shared_data, tmp_path, refusing_server, where):
+  if where == "data":
+    args, start = ["--config.data.files=gs://testbucket/x.txt", f"--workdir={tmp_path / 'run'}"], \
+        "error: gs://testbucket/x.txt: permission denied"
+  else:
+    args, start = ["--workdir=gs://testbucket/run"], "error: cannot create the workdir lock gs://testbucket/run/run.lock: 403 "
+  p = _cli_without_gcs_env(*flags("clm", shared_data), "--config.total_steps=2", *args,
+                           STORAGE_EMULATOR_HOST=refusing_server)
+  assert p.returncode == 1
+  [line] = quiet(p.stderr)
+  assert line.startswith(start), p.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------- kill -9, several processes, W&B
+def test_kill_9_then_resume_is_bit_identical_to_an_uninterrupted_run(gcs_server, shared_data, tmp_path):
+  """A gs:// run killed with SIGKILL once step 60 is logged (a checkpoint every 7 steps, so maybe mid-save) resumes
+  to the records of the same run uninterrupted on a local disk, every loss exact."""
+  args = flags("clm", shared_data, log_every=1, eval_every=50, checkpoint_every=7, **{"optimizer.lr": 1e-2})
+  args += ["--config.total_steps=100"]
+  with open(tmp_path / "log", "w") as log:
+    run = subprocess.Popen([sys.executable, "-m", "lm_jax.main", *args, "--workdir=gs://testbucket/killed"], cwd=REPO,
+                           stdout=log, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 300
+    while not any(r.get("step", 0) >= 60 for r in metrics_log.read("gs://testbucket/killed/metrics.jsonl")):
+      assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+      time.sleep(0.2)
+  finally:
+    run.kill()
+    run.wait()
+  resumed = cli(*args, "--workdir=gs://testbucket/killed")
+  reference = cli(*args, f"--workdir={tmp_path / 'local'}")
+  for p in (resumed, reference):
+    assert p.returncode == 0, p.stderr[-3000:]
+  assert re.search(r"resumed step (56|63|70|77|84|91|98) from gs://testbucket/killed/checkpoints", resumed.stdout)
+  same_records(records("gs://testbucket/killed"), records(str(tmp_path / "local")))
+  same_records(records("gs://testbucket/killed", "eval"), records(str(tmp_path / "local"), "eval"))
+
+
+def test_two_processes_on_a_bucket_workdir_log_the_records_of_one(gcs_server, shared_data, tmp_path):
+  """launch/local.sh 2 (2 processes x 4 CPU devices) training into gs:// logs the losses of 1 process x 8 devices
+  on a local disk."""
+  overrides = {"data.files": shared_data / "tiny_shakespeare" / "input.txt", "data.tfds_name": "", "total_steps": 6,
+               "checkpoint_every": 3, "log_every": 1, "eval_every": 0, "batch_size": 8, "data.seq_len": 32,
+               "data.shards": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "model.vocab_size": 256}
+  args = ["--config=configs/gpt1.py:tiny", *(f"--config.{k}={v}" for k, v in overrides.items())]
+  env = lambda devices: dict(os.environ, JAX_PLATFORMS="cpu", LM_JAX_DEVICES_PER_PROCESS=str(devices),
+                             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=str(REPO),
+                             LM_JAX_LOG_DIR=str(tmp_path / "logs"))
+  two = subprocess.run([str(REPO / "launch" / "local.sh"), "2", *args, "--workdir=gs://testbucket/two"], cwd=REPO,
+                       env=env(4), capture_output=True, text=True, timeout=600)
+  logs = "".join(p.read_text()[-2000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+  assert two.returncode == 0, logs
+  one = subprocess.run([sys.executable, "-m", "lm_jax.main", *args, f"--workdir={tmp_path / 'one'}"], cwd=REPO,
+                       env=env(8), capture_output=True, text=True, timeout=600)
+  assert one.returncode == 0, one.stderr[-3000:]
+  got, expected = records("gs://testbucket/two"), records(str(tmp_path / "one"))
+  assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, 7))
+  for x, y in zip(got, expected):
+    assert x["loss"] == pytest.approx(y["loss"], abs=1e-5), (x, y)
+  assert {u.rsplit("/", 2)[1] for u in storage.find("gs://testbucket/two/checkpoints")} >= {"3", "6"}
+
+
+def test_wandb_offline_with_a_bucket_workdir(gcs_server, shared_data, tmp_path):
+  """W&B (offline) beside a gs:// workdir: its files go to WANDB_DIR (a local folder; W&B writes no bucket), its run
+  id is kept in the bucket, and the offline run holds exactly the records of metrics.jsonl."""
+  from test_wandb import _offline_run
+  workdir = "gs://testbucket/wandb"
+  p = cli(*flags("clm", shared_data, log_every=2, **{"wandb.project": "lm_jax_test"}), "--config.total_steps=4",
+          f"--workdir={workdir}", env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+  assert p.returncode == 0, p.stderr[-3000:]   # stderr: W&B's own offline lines, as with a local workdir
+  [run_dir] = sorted((tmp_path / "wandb").glob("offline-run-*"))
+  run = _offline_run(run_dir)
+  assert run["id"] == storage.path(f"{workdir}/wandb_run_id").read_text()
+  assert run["history"] == metrics_log.read(f"{workdir}/metrics.jsonl") and len(run["history"]) >= 2

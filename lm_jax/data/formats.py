@@ -11,10 +11,11 @@ lines(path) gives (line number, bytes) of the non-blank lines of a line format; 
 {name: value}) of a columnar one. A truncated .gz or .zst file is a one-line ValueError naming it. records.py turns
 both into records and counts the bad ones.
 """
-import glob
 import json
 import os
 import zlib
+
+from lm_jax import storage
 
 _BLOCK = 1 << 20                     # bytes read at a time
 _GZIP = (".jsonl.gz", ".json.gz")
@@ -26,7 +27,7 @@ COLUMNAR = (".parquet",)
 
 def is_arrow_dir(path: str) -> bool:
   """A folder written by datasets' save_to_disk (it holds state.json or dataset_info.json and *.arrow files)."""
-  return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in _ARROW_DIR_FILES)
+  return storage.isdir(path) and any(storage.exists(_join(path, f)) for f in _ARROW_DIR_FILES)
 
 
 def is_columnar(path: str) -> bool:
@@ -40,7 +41,7 @@ def blocks(path: str):
   elif path.endswith(_ZSTD):
     yield from _zstd_blocks(path)
   else:
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
       while block := f.read(_BLOCK):
         yield block
 
@@ -96,7 +97,7 @@ def _zstd_blocks(path):
 
 def _members(path, new, truncated):
   """Decompressed blocks of concatenated members (gzip) or frames (zstd); a last one cut short is an error."""
-  with open(path, "rb") as raw:
+  with storage.open(path, "rb") as raw:
     d, pending, inside = new(), b"", False
     while chunk := pending or raw.read(_BLOCK):
       inside, pending = True, b""
@@ -109,9 +110,8 @@ def _members(path, new, truncated):
 
 def columns(path: str) -> list[str]:
   """The column names of a .parquet file or a datasets folder."""
-  import pyarrow.parquet as pq
   if path.endswith(COLUMNAR):
-    return list(pq.ParquetFile(path).schema_arrow.names)
+    return list(_parquet(path).schema_arrow.names)
   return list(_arrow_schema(path).names)
 
 
@@ -127,25 +127,24 @@ def rows(path: str, names: tuple):
 
 def _batches(path, present):
   import pyarrow as pa
-  import pyarrow.parquet as pq
   if path.endswith(COLUMNAR):
-    yield from pq.ParquetFile(path).iter_batches(batch_size=1024, columns=present)
+    yield from _parquet(path).iter_batches(batch_size=1024, columns=present)
     return
   for file in arrow_files(path):
-    with pa.memory_map(file) as source:
+    with _arrow_source(file) as source:
       for batch in pa.ipc.open_stream(source):
         yield batch.select(present)
 
 
 def arrow_files(path: str) -> list[str]:
   """A datasets folder's *.arrow files in order (state.json's _data_files when it lists them)."""
-  state = os.path.join(path, "state.json")
-  if os.path.exists(state):
-    with open(state) as f:
-      listed = [os.path.join(path, d["filename"]) for d in json.load(f).get("_data_files", [])]
+  state = _join(path, "state.json")
+  if storage.exists(state):
+    with storage.open(state, "r") as f:
+      listed = [_join(path, d["filename"]) for d in json.load(f).get("_data_files", [])]
     if listed:
       return listed
-  found = sorted(glob.glob(os.path.join(path, "*.arrow")))
+  found = storage.glob(_join(path, "*.arrow"))
   if not found:
     raise ValueError(f"{path}: a datasets folder without *.arrow files")
   return found
@@ -153,5 +152,20 @@ def arrow_files(path: str) -> list[str]:
 
 def _arrow_schema(path):
   import pyarrow as pa
-  with pa.memory_map(arrow_files(path)[0]) as source:
+  with _arrow_source(arrow_files(path)[0]) as source:
     return pa.ipc.open_stream(source).schema
+
+
+def _parquet(path: str):
+  import pyarrow.parquet as pq
+  return pq.ParquetFile(storage.open(path) if storage.is_remote(path) else path)
+
+
+def _arrow_source(file: str):
+  """A local .arrow file memory-mapped; a remote one streamed."""
+  import pyarrow as pa
+  return storage.open(file) if storage.is_remote(file) else pa.memory_map(file)
+
+
+def _join(folder: str, name: str) -> str:
+  return f"{folder.rstrip('/')}/{name}" if storage.is_remote(folder) else os.path.join(folder, name)

@@ -2,7 +2,7 @@
 that a bad record is counted and reported the same way whatever reads it.
 
 `read(split, fields, ...)` gives the records of one split by index, from files or a TFDS dataset:
-- files: a glob in which `{split}` becomes the split name (e.g. wiki.{split}.raw with splits train / valid; without
+- files: a glob (local, or a gs:// URL read through lm_jax/storage.py) in which `{split}` becomes the split name (e.g. wiki.{split}.raw with splits train / valid; without
   it every split reads all files).
     .txt / .raw / .text  documents separated by a blank (or whitespace-only) line, or with documents=False one
                          record per non-empty line; the text is the one field read
@@ -34,7 +34,6 @@ Invalid UTF-8 inside a record is replaced by U+FFFD byte by byte and the record 
 """
 import bisect
 import dataclasses
-import glob
 import itertools
 import json
 import os
@@ -42,6 +41,7 @@ import re
 
 from absl import logging
 
+from lm_jax import storage
 from lm_jax.data import formats, spill, tfds_prepare
 
 _FEW_RECORDS = 1000
@@ -281,7 +281,7 @@ def _decode(raw):
 def _read_files(pattern, split, fields, optional, documents, origin, named_by) -> Records:
   name, spec = split_spec(split)
   pattern = os.path.expanduser(pattern.replace("{split}", name))
-  paths = sorted(glob.glob(pattern, recursive=True))
+  paths = storage.glob(pattern)
   if not paths:
     raise FileNotFoundError(f"{origin}: no files match {pattern}")
   read = lambda path: _read_file(path, _names(fields), optional, documents, origin, named_by)  # noqa: E731
@@ -306,7 +306,7 @@ def _spilled(path: str) -> bool:
   """Compressed and columnar files, and big text files, are read through a spill (records streamed to disk once,
   then read by index), never into memory."""
   return (path.endswith(formats.COMPRESSED) or formats.is_columnar(path)
-          or (os.path.isfile(path) and os.path.getsize(path) > SPILL_BYTES))
+          or (storage.isfile(path) and storage.getsize(path) > SPILL_BYTES))
 
 
 def _spill_items(records):

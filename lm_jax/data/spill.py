@@ -1,13 +1,15 @@
 """Spills: the records of a file streamed once into an array_record file in a cache folder, so that a corpus that
 does not fit in memory (a 10 GB .jsonl.zst, a folder of parquet files) is still read by index, as the pipeline's
-shuffle needs. A spill is named by the file's path, size and modification time and by what was read of it, so a
-changed file or another field is spilled again; it is written to a temporary name and renamed into place when
+shuffle needs. A spill is named by the file's path (or URL), size and modification time (a remote file's
+generation) and by what was read of it, so a changed file or another field is spilled again; it is written to a temporary name and renamed into place when
 complete, so an interrupted spill is never read. The folder is $LM_JAX_SPILL_DIR, else ~/.cache/lm_jax/spill.
 """
 import dataclasses
 import hashlib
 import json
 import os
+
+from lm_jax import storage
 
 _VERSION = 1                 # bump when what a spill holds changes
 
@@ -32,8 +34,7 @@ def folder() -> str:
 def cached(source: str, what, items) -> SpillFile:
   """The spill of `source` (read as `what`, JSON-serialisable), written from items() -> (bytes, bytes replaced) the
   first time."""
-  stat = os.stat(source)
-  key = json.dumps([_VERSION, os.path.abspath(source), stat.st_size, stat.st_mtime_ns, what])
+  key = json.dumps([_VERSION, *storage.version(source), what])
   base = os.path.join(folder(), hashlib.sha256(key.encode()).hexdigest()[:24])
   meta = base + ".json"
   if not os.path.exists(meta):

@@ -14,11 +14,14 @@ import io
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 
 import numpy as np
 from etils import epath
 
 from lm_jax import models as model_lib
+from lm_jax import storage
 from lm_jax.data import sources, windows
 
 NUM_SENTINELS = 100
@@ -211,8 +214,14 @@ def _check_family(specials, family, what):
     raise ValueError(f"{what}: no {', '.join(missing)} token, which family {family!r} needs")
 
 
+_HF_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def load(path: str, family: str) -> Tokenizer:
-  """A SentencePiece .model, or a Hugging Face tokenizer.json / vocab.txt / checkpoint directory."""
+  """A SentencePiece .model, or a Hugging Face tokenizer.json / vocab.txt / checkpoint directory; local or remote
+  (gs://...: its tokenizer files are read from a local copy, and .path stays the URL)."""
+  if storage.is_remote(path):
+    return _load_remote(str(path).rstrip("/"), family)
   p = pathlib.Path(path).expanduser()
   if not p.exists():
     raise FileNotFoundError(f"config.data.tokenizer: {path} does not exist")
@@ -226,6 +235,29 @@ def load(path: str, family: str) -> Tokenizer:
   if p.name.startswith("tokenizer_char") and p.suffix == ".json":
     return _chars(json.loads(p.read_text())["chars"], str(p))
   return _huggingface(p, family)
+
+
+def _load_remote(url: str, family: str) -> Tokenizer:
+  """load() of a URL: a .model's bytes are read directly; the HF readers take local files, so the tokenizer files of
+  the folder (not its weights) are copied to a temporary one, and errors name the URL."""
+  if not storage.exists(url):
+    raise FileNotFoundError(f"config.data.tokenizer: {url} does not exist")
+  folder, name = (url, "") if storage.isdir(url) else url.rsplit("/", 1)
+  if name.endswith(".model"):
+    return _sentencepiece(storage.path(url).read_bytes(), family, url)
+  wanted = {name} if name else set(_HF_FILES) | {u.rsplit("/", 1)[1] for u in storage.glob(f"{folder}/*.model")}
+  local = tempfile.mkdtemp(prefix="lm_jax-tokenizer-")
+  try:
+    for f in storage.list_files(folder):
+      if f.rsplit("/", 1)[1] in wanted | set(_HF_FILES[2:]):
+        pathlib.Path(local, f.rsplit("/", 1)[1]).write_bytes(storage.path(f).read_bytes())
+    tok = load(os.path.join(local, name), family)
+  except (ValueError, FileNotFoundError) as e:
+    raise type(e)(str(e).replace(local, folder)) from None
+  finally:
+    shutil.rmtree(local, ignore_errors=True)
+  tok.path = folder + tok.path[len(local):].rstrip("/")
+  return tok
 
 
 def train(lines, *, family: str, vocab_size: int, model_type: str = "unigram") -> bytes:

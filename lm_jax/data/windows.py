@@ -10,11 +10,11 @@ batches; and evaluates every token of the eval text once, in consecutive windows
 before it in its window), the last window and batch padded with rows that count in no metric. That is the exact
 loss over the split; nanoGPT's own figure is the mean of eval_iters random batches.
 """
-import glob
 import os
 
 import numpy as np
 
+from lm_jax import storage
 from lm_jax.data import records, sources
 
 
@@ -28,12 +28,17 @@ def split_texts(config) -> tuple[str, str]:
   if not d.files or "{split}" in d.files:
     raise ValueError(f"config.data.split_fraction cuts one text: set config.data.files to its file(s) without "
                      f"{{split}}, got {d.files!r}")
-  paths = sorted(glob.glob(os.path.expanduser(d.files)))
+  paths = storage.glob(os.path.expanduser(d.files))
   if not paths:
     raise FileNotFoundError(f"config.data.files={d.files!r} matches no file")
-  text = "".join(open(p, encoding="utf-8").read() for p in paths)   # universal newlines, as nanoGPT's open()
+  text = "".join(_read(p) for p in paths)
   cut = int(len(text) * d.split_fraction)
   return text[:cut], text[cut:]
+
+
+def _read(path: str) -> str:
+  with storage.open(path, "r", encoding="utf-8") as f:   # universal newlines, as nanoGPT's open()
+    return f.read()
 
 
 def _joined(docs: records.Records) -> str:

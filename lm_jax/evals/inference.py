@@ -5,7 +5,7 @@ ConfigError (exit code 2)."""
 import jax
 import numpy as np
 
-from lm_jax import config_lib, decoding, models, params as params_lib
+from lm_jax import config_lib, decoding, models, params as params_lib, storage
 from lm_jax.evals import run_eval
 
 MASK = "[MASK]"
@@ -21,7 +21,7 @@ def read_prompts(prompts, prompts_file: str | None) -> list[str]:
   out = list(prompts or [])
   if prompts_file:
     try:
-      with open(prompts_file, encoding="utf-8") as f:
+      with storage.open(prompts_file, "r", encoding="utf-8") as f:
         lines = [line.rstrip("\n") for line in f if line.strip()]
     except UnicodeDecodeError as e:
       raise ValueError(f"--prompts_file={prompts_file}: not UTF-8 text (byte {e.start}: {e.reason})") from None

@@ -12,7 +12,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from lm_jax import hf, models
+from lm_jax import hf, models, storage
 from lm_jax.hf import convert
 from lm_jax.peft import targets
 
@@ -80,13 +80,13 @@ def _looped_names(path: str, value) -> list[tuple[str, np.ndarray]]:
 
 # ------------------------------------------------------------------------------------------------------- import
 def read_config(path: str, peft_type: str) -> dict:
-  """adapter_config.json of a PEFT directory of `peft_type` ('LORA', 'IA3'); one-line errors name the file and
-  field."""
-  file = os.path.join(path, CONFIG_FILE)
-  if not os.path.isfile(file) or not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+  """adapter_config.json of a PEFT directory of `peft_type` ('LORA', 'IA3'), local or remote (gs://); one-line
+  errors name the file and field."""
+  file = _join(path, CONFIG_FILE)
+  if not storage.isfile(file) or not storage.isfile(_join(path, WEIGHTS_FILE)):
     raise FileNotFoundError(f"config.{peft_type.lower()}.init_from={path!r}: no {CONFIG_FILE} + {WEIGHTS_FILE} (a "
                             "PEFT adapter directory)")
-  with open(file, encoding="utf-8") as f:
+  with storage.open(file, "r", encoding="utf-8") as f:
     try:
       fields = json.load(f)
     except ValueError as e:
@@ -102,7 +102,7 @@ def read_config(path: str, peft_type: str) -> dict:
 def read_tensors(path: str, model_cfg) -> dict:
   """{HF name (PEFT's prefix removed): float32 array} of the PEFT directory `path`; the adapters of a bare base model
   (BertModel) get the prefix of the models lm_jax exports ('bert.')."""
-  tensors = {k.removeprefix(PREFIX): v for k, v in _read(os.path.join(path, WEIGHTS_FILE)).items()}
+  tensors = {k.removeprefix(PREFIX): v for k, v in _read(_join(path, WEIGHTS_FILE)).items()}
   base = hf.family_module(model_cfg).BASE_PREFIX
   if base and not any(k.startswith(base) for k in tensors):   # adapters of a bare base model (BertModel)
     tensors = {(base + k if not k.startswith("classifier.") else k): v for k, v in tensors.items()}
@@ -119,9 +119,13 @@ def saved_params(config, name: str, tensors: dict) -> dict:
   return params
 
 
+def _join(folder: str, name: str) -> str:
+  return f"{folder.rstrip('/')}/{name}" if storage.is_remote(folder) else os.path.join(folder, name)
+
+
 def _read(file: str) -> dict:
   try:
-    with safe_open(file, framework="flax") as f:   # through JAX: bfloat16 adapters too
+    with safe_open(storage.local_file(file), framework="flax") as f:   # safe_open maps a local file   # through JAX: bfloat16 adapters too
       return {k: np.asarray(f.get_tensor(k)).astype(np.float32) for k in f.keys()}
   except SafetensorError as e:
     raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
