@@ -11,15 +11,20 @@ temp should stay at LoRA's: a step that dequantised the whole model first would 
 Nothing runs: the step is only compiled (jax.jit(...).lower(...).compile().memory_analysis()).
 """
 import argparse
+import os
+import sys
 
 import jax
 from flax import linen as nn
 
-from lm_jax import config_lib, layout, objectives, sharding, step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from lm_jax import config_lib, layout, objectives, sharding, step  # noqa: E402
 
 
 def measure(args, qlora: bool) -> dict:
-  config = config_lib.load("configs/gpt1.py:tiny", {
+  config = config_lib.load(os.path.join(REPO, "configs", "gpt1.py:tiny"), {
       "model.d_model": args.d_model, "model.num_heads": args.d_model // 64, "model.d_ff": 4 * args.d_model,
       "model.num_layers": args.layers, "model.scan_layers": True, "model.dtype": args.dtype,
       "batch_size": args.batch, "data.seq_len": args.seq_len, "model.max_positions": args.seq_len,

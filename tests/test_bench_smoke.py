@@ -1,0 +1,42 @@
+"""Each benchmark's tiny form runs to its ratio line, so none rots between the runs that measure (bench/README.md).
+data_throughput, nanogpt and checkpoint_stall have their own tests; rlhf_sst2 judges finished runs (test_ppo checks
+its statistics)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+def bench(*args, timeout=600) -> str:
+  p = subprocess.run([sys.executable, *args], cwd="/", capture_output=True, text=True, timeout=timeout,
+                     env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+  assert p.returncode == 0, p.stderr[-3000:]
+  return p.stdout
+
+
+def test_qlora_memory():
+  out = bench(REPO / "bench" / "qlora_memory.py", "--d_model", "64", "--layers", "2", "--batch", "1",
+              "--seq_len", "16")
+  assert "QLoRA / LoRA peak:" in out, out
+
+
+def test_train_step_against_eager_pytorch():
+  pytest.importorskip("torch")
+  out = bench(REPO / "bench" / "train_step.py", "--quick", "--models", "gpt1_128", "--peers", "eager", "--steps", "1",
+              "--warmup", "1", "--matmul_size", "256")
+  assert "ours/eager" in out and "ours/roofline" in out, out
+
+
+def test_decode_against_transformers():
+  pytest.importorskip("torch")
+  out = bench(REPO / "bench" / "decode.py", "--quick", "--models", "gpt2", "--batches", "1", "--repeats", "1")
+  assert "hf/ours" in out and out.count("gpt2 ") >= 3, out
+
+
+def test_finetune_against_transformers(shared_data):
+  pytest.importorskip("torch")
+  out = bench(REPO / "bench" / "finetune.py", "--steps", "3", "--log_every", "1")
+  assert "full: tokens/s ours / peer" in out, out
