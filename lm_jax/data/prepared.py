@@ -8,8 +8,20 @@ where it was read, with its bytes, characters and tokens. The pipeline builds ro
 exactly as from a Corpus, so prepared and on-the-fly training see the same batches (same seed), resume the same
 way and give the same stream on any number of hosts.
 
-DIR/manifest.json records what the shards were prepared for (tokenizer, seq_len, objective, masking, the source);
-a config that differs is a one-line ConfigError.
+Rows prepared ahead (manifest "passes" > 0; layouts whose rows are drawn per document, i.e. MLM + NSP): for each
+of `passes` epochs, every training document's NSP pairs, masked, as BERT's create_pretraining_data.py writes
+dupe_factor maskings once. Record p * documents + d holds document d's rows of pass p; epoch e reads pass e % passes
+(BERT also repeats its dupe_factor maskings over the ~40 epochs it trains). The eval split has one pass. The pairs
+are those the on-the-fly pipeline draws in epoch p (same seed, data.shards, data.shuffle); the masks cannot be:
+on the fly a batch is masked at once with a generator of (seed, shard, batch index), so a row's mask depends on the
+batch size and on which rows share its batch, which preparation cannot know. Prepared masks are drawn per document
+and pass instead (np.random.default_rng([seed, pass, document])), so they do not depend on the batch size or the
+number of hosts, and the rows are read back by the same windows, shuffles and cursors: the stream keeps its
+determinism, exact resume and host-count independence.
+
+DIR/manifest.json records what the shards were prepared for (tokenizer, seq_len, objective, masking, the source; for
+rows also the seed, data.shards and data.shuffle the pairs depend on); a config that differs is a one-line
+ConfigError.
 """
 import hashlib
 import json
@@ -33,12 +45,16 @@ def tokenizer_hash(tok) -> str:
   return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
 
 
-def expected(config, tok, as_sentences: bool) -> dict:
-  """What shards for this config are prepared for; the manifest must hold the same."""
+def expected(config, tok, as_sentences: bool, with_rows: bool) -> dict:
+  """What shards for this config are prepared for; the manifest must hold the same. Rows also depend on the
+  seed and on the shards and shuffle that decide which other document a NotNext pair draws from."""
   d = config.data
-  return dict(version=VERSION, tokenizer=tokenizer_hash(tok), objective=config.objective, seq_len=d.seq_len,
-              as_sentences=as_sentences, masking={k: d[k] for k in _MASKING},
-              source=dict(files=d.files, tfds_name=d.tfds_name, text_field=d.text_field))
+  out = dict(version=VERSION, tokenizer=tokenizer_hash(tok), objective=config.objective, seq_len=d.seq_len,
+             as_sentences=as_sentences, masking={k: d[k] for k in _MASKING},
+             source=dict(files=d.files, tfds_name=d.tfds_name, text_field=d.text_field))
+  if with_rows:
+    out["rows"] = dict(seed=config.seed, shards=d.shards, shuffle=d.shuffle)
+  return out
 
 
 def split_dir(split: str) -> str:
@@ -57,6 +73,31 @@ def encode(entry, where: str) -> bytes:
     tokens = np.concatenate(value).astype("<i4") if value else np.zeros(0, "<i4")
     return b"S" + head + struct.pack("<I", len(value)) + lengths.tobytes() + tokens.tobytes()
   return b"T" + head + np.asarray(value, "<i4").tobytes()
+
+
+def encode_rows(rows: dict) -> bytes:
+  """One document's rows (a dict of arrays, one entry per row along axis 0); integer arrays that fit are stored as
+  uint16 (token ids of a vocabulary under 65536, positions), and read back in their own dtype."""
+  head, body = [], []
+  for key in sorted(rows):
+    a = np.ascontiguousarray(rows[key])
+    store = a.dtype.str
+    if a.dtype.kind in "iu" and (not a.size or (a.min() >= 0 and a.max() < 1 << 16)):
+      store = "<u2"
+    head.append([key, a.dtype.str, store, list(a.shape)])
+    body.append(a.astype(store).tobytes())
+  meta = json.dumps(head).encode()
+  return struct.pack("<I", len(meta)) + meta + b"".join(body)
+
+
+def decode_rows(raw: bytes) -> dict:
+  (n,) = struct.unpack_from("<I", raw)
+  out, at = {}, 4 + n
+  for key, dtype, store, shape in json.loads(raw[4:at]):
+    size = int(np.prod(shape))
+    out[key] = np.frombuffer(raw, store, size, at).reshape(shape).astype(dtype)
+    at += size * np.dtype(store).itemsize
+  return out
 
 
 def decode(raw: bytes):
@@ -129,18 +170,68 @@ class PreparedCorpus:
     return out
 
 
-def open_split(config, split: str, tok, as_sentences: bool) -> PreparedCorpus:
-  """config.data.prepared's split, after checking that it was prepared for this config."""
-  directory = os.path.expanduser(config.data.prepared)
-  path = os.path.join(directory, MANIFEST)
+class PreparedRows(PreparedCorpus):
+  """A prepared split with its rows made ahead: instances(epoch, doc) -> the document's masked rows of pass
+  epoch % passes, one dict per row (what the layout of rows_layout assembles)."""
+
+  def __init__(self, directory: str, split: str, meta: dict, role: str):
+    from array_record.python import array_record_data_source
+    super().__init__(directory, split, meta, as_sentences=True)
+    made = meta["rows"][role]
+    self.passes = made["passes"]
+    files = [os.path.join(directory, split_dir(split), name) for name in made["shards"]]
+    self._rows = array_record_data_source.ArrayRecordDataSource(files)
+
+  def instances(self, epoch: int, doc: int) -> list:
+    if not self._seen[doc]:
+      self.tokens([doc])                 # counted in the tally once, as on the fly
+    rows = decode_rows(self._rows[(epoch % self.passes) * len(self) + doc])
+    n = len(rows["input_ids"]) if rows else 0
+    return [{k: v[r] for k, v in rows.items()} for r in range(n)]
+
+
+def rows_layout(width: int, features: dict):
+  """The layout of prepared rows: each instance already is a finished row of the objective's `features`
+  ({name: (shape, dtype)}), so assembling stacks them."""
+  from lm_jax.data import rows as rows_lib
+
+  def stack(found: list) -> dict:
+    if not found:
+      return {k: np.zeros((0, *shape), dtype) for k, (shape, dtype) in features.items()}
+    return {k: np.stack([r[k] for r in found]) for k in features}
+  return rows_lib.PerDocument(width=width, instances=None, assemble=stack,
+                              real_tokens=lambda row: int(row["attention_mask"].sum()))
+
+
+def manifest(config) -> dict:
+  """config.data.prepared's manifest.json."""
+  path = os.path.join(os.path.expanduser(config.data.prepared), MANIFEST)
   config_lib.require(os.path.exists(path), f"config.data.prepared={config.data.prepared}: no {MANIFEST} there; "
                      "write it with python -m lm_jax.prepare")
   with open(path) as f:
-    manifest = json.load(f)
-  want = expected(config, tok, as_sentences)
+    return json.load(f)
+
+
+def passes(config, layout) -> int:
+  """The passes of rows config.data.prepared holds for this layout; 0 when the rows are built on the fly."""
+  if not config.data.prepared or not layout.as_sentences or getattr(layout, "corpus", None):
+    return 0
+  return manifest(config).get("passes", 0)
+
+
+def open_split(config, split: str, tok, as_sentences: bool, role: str = "train") -> PreparedCorpus:
+  """config.data.prepared's split (its rows for `role`, 'train' or 'eval', if rows were prepared), after checking
+  that it was prepared for this config."""
+  directory = os.path.expanduser(config.data.prepared)
+  manifest_ = manifest(config)
+  with_rows = manifest_.get("passes", 0) > 0
+  want = expected(config, tok, as_sentences, with_rows)
   for key, value in want.items():
-    config_lib.require(manifest.get(key) == value, f"config.data.prepared={config.data.prepared} was prepared for "
-                       f"{key}={manifest.get(key)!r}, this config has {value!r}: prepare it again for this config")
-  config_lib.require(split in manifest["splits"], f"config.data.prepared={config.data.prepared} has no split "
-                     f"{split!r} (it has {', '.join(manifest['splits'])})")
-  return PreparedCorpus(directory, split, manifest["splits"][split], as_sentences)
+    config_lib.require(manifest_.get(key) == value, f"config.data.prepared={config.data.prepared} was prepared for "
+                       f"{key}={manifest_.get(key)!r}, this config has {value!r}: prepare it again for this config")
+  config_lib.require(split in manifest_["splits"], f"config.data.prepared={config.data.prepared} has no split "
+                     f"{split!r} (it has {', '.join(manifest_['splits'])})")
+  meta = manifest_["splits"][split]
+  if with_rows:
+    return PreparedRows(directory, split, meta, role)
+  return PreparedCorpus(directory, split, meta, as_sentences)
