@@ -8,7 +8,8 @@ causal LM at 512, T5-base span corruption 512 -> 114) on WikiText-2 train (blank
 input: tokens/s of `--batches` global batches after the first (which starts the workers), each built from its own
 window of rows, cold (the on-the-fly documents are tokenized as the batches need them), no prefetch thread; the
 processes that work (on the fly: 1, or the main one + N workers; prepared: 1) and tokens/s per process, which is
-what docs/scale.md divides a host's need by. Tokens per example = seq_len (+ target_len for T5), the trainer's
+what docs/scale.md divides a host's need by. Prepared MLM + NSP input is rows made ahead (pairs and masks,
+lm_jax.prepare's default 10 passes); the time lm_jax.prepare took with 2 processes is printed. Tokens per example = seq_len (+ target_len for T5), the trainer's
 count. The load average is printed beside the numbers: on a shared machine they are lower bounds.
 """
 import argparse
