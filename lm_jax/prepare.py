@@ -1,6 +1,8 @@
 """python -m lm_jax.prepare --config=configs/X.py[:variant] --out=DIR [--processes=N] [--passes=P] [--workdir=RUN]:
 tokenize the config's splits once (and for MLM + NSP make P epochs of masked pairs) into the shards that
 --config.data.prepared=DIR trains from (lm_jax/data/prepare.py)."""
+import os
+
 from absl import app, flags
 
 from lm_jax import config_lib, objectives
@@ -22,9 +24,11 @@ def main(args):
     config = config_lib.load(_CONFIG.value, overrides)
     manifest = prepare.prepare(config, objectives.get(config.objective), _OUT.value, workdir=_WORKDIR.value,
                                processes=_PROCESSES.value, docs_per_shard=_PER_SHARD.value, passes=_PASSES.value)
-  for split, v in manifest["splits"].items():
-    rows = "".join(f"; {role} rows: {r['passes']} passes" for role, r in v.get("rows", {}).items())
-    print(f"{split}: {v['documents']} documents in {len(v['shards'])} shards{rows} in {_OUT.value}")
+  for name, made in manifest.get("sources", {"": manifest}).items():
+    for split, v in made["splits"].items():
+      rows = "".join(f"; {role} rows: {r['passes']} passes" for role, r in v.get("rows", {}).items())
+      print(f"{name + ' ' if name else ''}{split}: {v['documents']} documents in {len(v['shards'])} shards{rows} in "
+            f"{os.path.join(_OUT.value, name)}")
 
 
 if __name__ == "__main__":

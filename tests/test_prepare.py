@@ -203,3 +203,33 @@ def test_the_command_line(prepared, tmp_path):
     assert a.read_bytes() == (tmp_path / "p" / a.relative_to(work / "p1")).read_bytes()
   bad = subprocess.run(cmd + ["--config.data.prepared=/elsewhere"], capture_output=True, text=True, check=False)
   assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "prepare reads the corpus" in bad.stderr
+
+
+@pytest.mark.parametrize("objective,passes", [("clm", 0), ("mlm", 1)])
+def test_a_prepared_mixture_trains_as_on_the_fly(prepared, corpus, objective, passes):
+  """Each source prepared in its folder; tokens give the on-the-fly batches, MLM + NSP rows its pairs."""
+  c, tok, work = prepared[objective]
+  mix = _config(objective, corpus)
+  mix.data.files = ""
+  mix.data.mixture = (dict(name="a", files=c.data.files, weight=1.0),
+                      dict(name="b", files=c.data.files, train_split="train[:50%]", weight=2.0))
+  out = work / f"mixture{passes}"
+  manifest = prepare.prepare(mix, objectives.get(objective), str(out), workdir=str(work), docs_per_shard=300,
+                             passes=passes)
+  assert list(manifest["sources"]) == ["a", "b"] and (out / "b" / "manifest.json").exists()
+  ready = _config(objective, corpus, prepared=str(out))
+  ready.data.files, ready.data.mixture = "", mix.data.mixture
+  fly, it = (take(_it(x, tok, window_rows=18, prefetch=0), 6) for x in (mix, ready))
+  if passes:
+    fly, it = ([dict(b, input_ids=_unmasked(b), mlm_positions=0, mlm_ids=0, mlm_weights=0) for b in x]
+               for x in (fly, it))
+  same_batches(it, fly)
+  ev, ev_p = (pipeline.make_eval_iterator(x, tok, objectives.get(objective)) for x in (mix, ready))
+  assert ev_p.sources.keys() == ev.sources.keys() == {"a", "b"} and len(ev_p) == len(ev)
+  single = _config(objective, corpus, prepared=str(out))
+  single.data.files = c.data.files
+  with pytest.raises(config_lib.ConfigError, match=r"holds the sources of a mixture \(a, b\); this config has no "):
+    _it(single, tok, prefetch=0)
+  ready.data.prepared = str(work / "p1")
+  with pytest.raises(config_lib.ConfigError, match=r"holds one source, this config has a config.data.mixture"):
+    _it(ready, tok, prefetch=0)

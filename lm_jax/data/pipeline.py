@@ -26,7 +26,6 @@ import grain
 import numpy as np
 from absl import logging
 
-from lm_jax import config_lib
 from lm_jax.data import corpus as corpus_lib
 from lm_jax.data import mixture as mixture_lib
 from lm_jax.data import prepared
@@ -316,8 +315,7 @@ def _corpus(config, split: str, layout, tokenizer, source: mixture_lib.Source | 
                        "examples from config.task: clear the mixture")
     return layout.corpus(split)
   if config.data.prepared:
-    config_lib.require(source is None, "config.data.prepared reads one prepared source; clear config.data.mixture")
-    return prepared.open_split(config, split, tokenizer, layout.as_sentences, role)
+    return prepared.open_split(config, split, tokenizer, layout.as_sentences, role, source)
   docs = sources.documents(config, split, source)
   pool = workers.Workers(tokenizer, config.model.family, config.data.workers) if config.data.workers > 1 else None
   return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences, workers=pool)

@@ -19,6 +19,9 @@ and pass instead (np.random.default_rng([seed, pass, document])), so they do not
 number of hosts, and the rows are read back by the same windows, shuffles and cursors: the stream keeps its
 determinism, exact resume and host-count independence.
 
+A mixture (data.mixture) is prepared source by source, each in DIR/<name> as above (its rows with the source's
+own seed, as on the fly); DIR/manifest.json then lists them.
+
 DIR/manifest.json records what the shards were prepared for (tokenizer, seq_len, objective, masking, the source; for
 rows also the seed, data.shards and data.shuffle the pairs depend on); a config that differs is a one-line
 ConfigError.
@@ -45,13 +48,15 @@ def tokenizer_hash(tok) -> str:
   return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
 
 
-def expected(config, tok, as_sentences: bool, with_rows: bool) -> dict:
-  """What shards for this config are prepared for; the manifest must hold the same. Rows also depend on the
-  seed and on the shards and shuffle that decide which other document a NotNext pair draws from."""
+def expected(config, tok, as_sentences: bool, with_rows: bool, source=None) -> dict:
+  """What shards for this config (or for `source` of its mixture) are prepared for; the manifest must hold the
+  same. Rows also depend on the seed and on the shards and shuffle that decide which other document a NotNext pair
+  draws from."""
   d = config.data
+  where = source or d
   out = dict(version=VERSION, tokenizer=tokenizer_hash(tok), objective=config.objective, seq_len=d.seq_len,
              as_sentences=as_sentences, masking={k: d[k] for k in _MASKING},
-             source=dict(files=d.files, tfds_name=d.tfds_name, text_field=d.text_field))
+             source=dict(files=where.files, tfds_name=where.tfds_name, text_field=where.text_field))
   if with_rows:
     out["rows"] = dict(seed=config.seed, shards=d.shards, shuffle=d.shuffle)
   return out
@@ -203,10 +208,11 @@ def rows_layout(width: int, features: dict):
                               real_tokens=lambda row: int(row["attention_mask"].sum()))
 
 
-def manifest(config) -> dict:
-  """config.data.prepared's manifest.json."""
-  path = os.path.join(os.path.expanduser(config.data.prepared), MANIFEST)
-  config_lib.require(os.path.exists(path), f"config.data.prepared={config.data.prepared}: no {MANIFEST} there; "
+def manifest(config, source=None) -> dict:
+  """config.data.prepared's manifest.json (a mixture's: the one of `source`, in its folder <name>)."""
+  name = f"{source.name}/{MANIFEST}" if source else MANIFEST
+  path = os.path.join(os.path.expanduser(config.data.prepared), name)
+  config_lib.require(os.path.exists(path), f"config.data.prepared={config.data.prepared}: no {name} there; "
                      "write it with python -m lm_jax.prepare")
   with open(path) as f:
     return json.load(f)
@@ -219,19 +225,25 @@ def passes(config, layout) -> int:
   return manifest(config).get("passes", 0)
 
 
-def open_split(config, split: str, tok, as_sentences: bool, role: str = "train") -> PreparedCorpus:
-  """config.data.prepared's split (its rows for `role`, 'train' or 'eval', if rows were prepared), after checking
-  that it was prepared for this config."""
-  directory = os.path.expanduser(config.data.prepared)
-  manifest_ = manifest(config)
+def open_split(config, split: str, tok, as_sentences: bool, role: str = "train", source=None) -> PreparedCorpus:
+  """config.data.prepared's split of config.data (or of mixture `source`), its rows for `role` ('train' or
+  'eval') if rows were prepared, after checking that it was prepared for this config."""
+  top = manifest(config)
+  held = ", ".join(top.get("sources", {}))
+  config_lib.require(bool(source) == bool(held), f"config.data.prepared={config.data.prepared} holds " + (
+      f"the sources of a mixture ({held}); this config has no config.data.mixture" if held else
+      "one source, this config has a config.data.mixture: prepare it again for this config"))
+  manifest_ = manifest(config, source)
   with_rows = manifest_.get("passes", 0) > 0
-  want = expected(config, tok, as_sentences, with_rows)
+  want = expected(config, tok, as_sentences, with_rows, source)
+  name = f"{config.data.prepared}" + (f" (source {source.name})" if source else "")
   for key, value in want.items():
-    config_lib.require(manifest_.get(key) == value, f"config.data.prepared={config.data.prepared} was prepared for "
+    config_lib.require(manifest_.get(key) == value, f"config.data.prepared={name} was prepared for "
                        f"{key}={manifest_.get(key)!r}, this config has {value!r}: prepare it again for this config")
-  config_lib.require(split in manifest_["splits"], f"config.data.prepared={config.data.prepared} has no split "
+  config_lib.require(split in manifest_["splits"], f"config.data.prepared={name} has no split "
                      f"{split!r} (it has {', '.join(manifest_['splits'])})")
   meta = manifest_["splits"][split]
+  directory = os.path.join(os.path.expanduser(config.data.prepared), source.name if source else "")
   if with_rows:
     return PreparedRows(directory, split, meta, role)
   return PreparedCorpus(directory, split, meta, as_sentences)
