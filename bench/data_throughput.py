@@ -9,7 +9,7 @@ input: tokens/s of `--batches` global batches after the first (which starts the 
 window of rows, cold (the on-the-fly documents are tokenized as the batches need them), no prefetch thread; the
 processes that work (on the fly: 1, or the main one + N workers; prepared: 1) and tokens/s per process, which is
 what docs/scale.md divides a host's need by. Prepared MLM + NSP input is rows made ahead (pairs and masks,
-lm_jax.prepare's default 10 passes); the time lm_jax.prepare took with 2 processes is printed. Tokens per example = seq_len (+ target_len for T5), the trainer's
+lm_jax.prepare's default 10 passes; --quick: 2); the time lm_jax.prepare took with 2 processes is printed. Tokens per example = seq_len (+ target_len for T5), the trainer's
 count. The load average is printed beside the numbers: on a shared machine they are lower bounds.
 """
 import argparse
@@ -78,7 +78,8 @@ def run(data: str, batches: int, quick: bool, workdir: str) -> list[dict]:
     ready = os.path.join(workdir, "prepared", name.split()[0].replace("+", "_") + ("_quick" if quick else ""))
     if not os.path.exists(os.path.join(ready, "manifest.json")):
       start = time.perf_counter()
-      prepare.prepare(config, objectives.get(config.objective), ready, workdir=workdir, processes=2)
+      prepare.prepare(config, objectives.get(config.objective), ready, workdir=workdir, processes=2,
+                      passes=2 if quick else prepare.PASSES)
       print(f"{name}: prepared in {time.perf_counter() - start:.0f} s with 2 processes", flush=True)
     for kind, workers in INPUTS:
       config.data.workers, config.data.prepared = workers, (ready if kind == "prepared" else "")
