@@ -28,7 +28,7 @@ def main(args):
     for split, v in made["splits"].items():
       rows = "".join(f"; {role} rows: {r['passes']} passes" for role, r in v.get("rows", {}).items())
       print(f"{name + ' ' if name else ''}{split}: {v['documents']} documents in {len(v['shards'])} shards{rows} in "
-            f"{os.path.join(_OUT.value, name)}")
+            f"{os.path.join(_OUT.value, name) if name else _OUT.value}")
 
 
 if __name__ == "__main__":
