@@ -4,9 +4,9 @@ create_pretraining_data.py, MaxText and Levanter tokenize once into a cache that
 
 Document i of a split is record i of its shards (shard k holds documents [k * per_shard, (k + 1) * per_shard)). A
 record is what corpus.tokenize makes of the document: its tokens (or sentences), or the reason it is skipped and
-where it was read, with its bytes, characters and tokens. The pipeline builds rows, masks and batches from them
-exactly as from a Corpus, so prepared and on-the-fly training see the same batches (same seed), resume the same
-way and give the same stream on any number of hosts.
+where it was read, with its bytes, characters and tokens. Without rows prepared ahead (below) the pipeline builds
+rows, masks and batches from them exactly as from a Corpus, so prepared and on-the-fly training see the same
+batches (same seed), resume the same way and give the same stream on any number of hosts.
 
 Rows prepared ahead (manifest "passes" > 0; layouts whose rows are drawn per document, i.e. MLM + NSP): for each
 of `passes` epochs, every training document's NSP pairs, masked, as BERT's create_pretraining_data.py writes
