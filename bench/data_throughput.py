@@ -5,10 +5,12 @@
 Cases: the papers' configs with their mixture cleared and data.files set (BERT-base MLM + NSP at seq 128, GPT-1
 causal LM at 512, T5-base span corruption 512 -> 114) on WikiText-2 train (blank-line paragraphs as documents);
 --quick: the tiny variants on WikiText-2 valid, a few batches (tests/test_bench_data.py runs it). Per case and
-input: tokens/s of `--batches` global batches after the first (which starts the workers), each built from its own
-window of rows, cold (the on-the-fly documents are tokenized as the batches need them), no prefetch thread; the
-processes that work (on the fly: 1, or the main one + N workers; prepared: 1) and tokens/s per process, which is
-what docs/scale.md divides a host's need by. Tokens per example = seq_len (+ target_len for T5), the trainer's
+input: tokens/s of `--batches` global batches (prepared: 4x as many) after the first (which starts the workers),
+each built from its own window of rows, cold (the on-the-fly documents are tokenized as the batches need them), no
+prefetch thread; the processes that work (on the fly: 1, or the main one + N workers; prepared: 1) and tokens/s
+per process, which is what docs/scale.md divides a host's need by. Prepared MLM + NSP input is rows made ahead
+(pairs and masks, lm_jax.prepare's default 10 passes; --quick: 2); the time lm_jax.prepare took with 2 processes
+is printed. Tokens per example = seq_len (+ target_len for T5), the trainer's
 count. The load average is printed beside the numbers: on a shared machine they are lower bounds.
 """
 import argparse
@@ -32,6 +34,7 @@ CASES = {  # name -> (config, quick config, quick overrides)
     "span 512->114": ("configs/t5.py:base", "configs/t5.py:tiny", {"data.seq_len": 128}),
 }
 INPUTS = (("on the fly", 1), ("on the fly", 2), ("prepared", 1))
+PREPARED_TIMES = 4   # prepared input is timed over 4x the batches: it is fast (16 took ~0.2 s) and has no cache to warm
 
 
 def config_for(name: str, data: str, quick: bool):
@@ -77,12 +80,13 @@ def run(data: str, batches: int, quick: bool, workdir: str) -> list[dict]:
     ready = os.path.join(workdir, "prepared", name.split()[0].replace("+", "_") + ("_quick" if quick else ""))
     if not os.path.exists(os.path.join(ready, "manifest.json")):
       start = time.perf_counter()
-      prepare.prepare(config, objectives.get(config.objective), ready, workdir=workdir, processes=2)
+      prepare.prepare(config, objectives.get(config.objective), ready, workdir=workdir, processes=2,
+                      passes=2 if quick else prepare.PASSES)
       print(f"{name}: prepared in {time.perf_counter() - start:.0f} s with 2 processes", flush=True)
     for kind, workers in INPUTS:
       config.data.workers, config.data.prepared = workers, (ready if kind == "prepared" else "")
       load = os.getloadavg()[0]
-      tokens_s = rate(config, tok, batches)
+      tokens_s = rate(config, tok, batches * (PREPARED_TIMES if kind == "prepared" else 1))
       processes = 1 if kind == "prepared" or workers == 1 else 1 + workers
       rows.append(dict(case=name, objective=config.objective, nsp=bool(config.data.nsp), seq_len=config.data.seq_len,
                        input=kind, workers=workers, tokens_per_s=tokens_s,

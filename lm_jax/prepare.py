@@ -1,5 +1,8 @@
-"""python -m lm_jax.prepare --config=configs/X.py[:variant] --out=DIR [--processes=N] [--workdir=RUN]: tokenize the
-config's splits once into the shards that --config.data.prepared=DIR trains from (lm_jax/data/prepare.py)."""
+"""python -m lm_jax.prepare --config=configs/X.py[:variant] --out=DIR [--processes=N] [--passes=P] [--workdir=RUN]:
+tokenize the config's splits once (and for MLM + NSP make P epochs of masked pairs) into the shards that
+--config.data.prepared=DIR trains from (lm_jax/data/prepare.py)."""
+import os
+
 from absl import app, flags
 
 from lm_jax import config_lib, objectives
@@ -11,6 +14,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "", "where the tokenizer is trained an
                                "default --out")
 _PROCESSES = flags.DEFINE_integer("processes", 1, "processes tokenizing shards in parallel")
 _PER_SHARD = flags.DEFINE_integer("docs_per_shard", prepare.DOCS_PER_SHARD, "documents per shard file")
+_PASSES = flags.DEFINE_integer("passes", prepare.PASSES, "MLM + NSP: epochs of masked pairs written ahead (BERT's "
+                               "dupe_factor); 0 = tokens only, pairs and masks made while training")
 
 
 def main(args):
@@ -18,9 +23,12 @@ def main(args):
   with config_lib.user_errors():
     config = config_lib.load(_CONFIG.value, overrides)
     manifest = prepare.prepare(config, objectives.get(config.objective), _OUT.value, workdir=_WORKDIR.value,
-                               processes=_PROCESSES.value, docs_per_shard=_PER_SHARD.value)
-  for split, v in manifest["splits"].items():
-    print(f"{split}: {v['documents']} documents in {len(v['shards'])} shards in {_OUT.value}")
+                               processes=_PROCESSES.value, docs_per_shard=_PER_SHARD.value, passes=_PASSES.value)
+  for name, made in manifest.get("sources", {"": manifest}).items():
+    for split, v in made["splits"].items():
+      rows = "".join(f"; {role} rows: {r['passes']} passes" for role, r in v.get("rows", {}).items())
+      print(f"{name + ' ' if name else ''}{split}: {v['documents']} documents in {len(v['shards'])} shards{rows} in "
+            f"{os.path.join(_OUT.value, name) if name else _OUT.value}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import tensorflow_datasets as tfds
 
 from conftest import same_batches, take
 from lm_jax import config_lib, objectives
-from lm_jax.data import nsp, packing, pipeline, records, sources, tfds_prepare, tokenizer
+from lm_jax.data import masking, nsp, packing, pipeline, records, sources, tfds_prepare, tokenizer
 
 CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
 
@@ -363,3 +363,37 @@ def test_eval_batches_are_finite_repeatable_and_split_across_hosts(files, toks):
   c.data.eval_split = "train[:2]"
   with pytest.raises(ValueError, match="too small for one eval batch"):
     _eval_it(c, toks["clm"])
+
+
+def test_random_replacements_are_every_non_special_token_and_only_those():
+  ids = np.full((64, 40), 5, np.int32)
+  special = [0, 3, 4, 11, 12]        # 12 is the mask id; 11 the last of the vocabulary
+  out = masking.mask_tokens(ids, rng=np.random.default_rng(0), vocab_size=12, mask_id=12, special_ids=special,
+                            rate=0.9, max_predictions=36)
+  replaced = set(out["input_ids"][(out["input_ids"] != 5) & (out["input_ids"] != 12)].tolist())
+  assert replaced == {1, 2, 6, 7, 8, 9, 10}
+
+
+def test_a_corpus_past_its_cache_returns_documents_it_already_had(monkeypatch):
+  """With the cache full, asking for a recent document together with many new ones returns it (storing the new
+  ones used to drop it from the recent ones first: a KeyError on a multi-GB corpus)."""
+  from lm_jax.data import corpus as corpus_lib
+
+  class Docs(records.Records):
+    path = "docs"
+
+    def __len__(self):
+      return 600
+
+    def _get(self, i):
+      return f"document {i} text"
+
+  class Tok:
+    def encode_batch(self, texts):
+      return [[len(t), 7, 8] for t in texts]
+  monkeypatch.setattr(corpus_lib, "_CACHE_TOKENS", 0)
+  c = corpus_lib.Corpus(Docs(), Tok(), as_sentences=False)
+  first = c.tokens([0])[0]
+  out = c.tokens([0] + list(range(1, 400)))
+  np.testing.assert_array_equal(out[0], first)
+  assert len(out) == 400 and all(len(t) == 3 for t in out)

@@ -40,10 +40,12 @@ class Corpus:
 
   def tokens(self, ids: list[int]) -> list:
     """Per id: a token array (stream mode) or a list of sentence arrays (as_sentences); empty if bad."""
-    missing = [i for i in dict.fromkeys(ids) if i not in self._cache and i not in self._recent]
+    have = {i: self._cache[i] if i in self._cache else self._recent[i] for i in dict.fromkeys(ids)
+            if i in self._cache or i in self._recent}     # before storing the missing ones may drop them from _recent
+    missing = [i for i in dict.fromkeys(ids) if i not in have]
     if missing:
-      self._tokenize(missing)
-    return [self._cache[i] if i in self._cache else self._recent[i] for i in ids]
+      have.update(self._tokenize(missing))
+    return [have[i] for i in ids]
 
   def prefetch(self, ids: list[int]):
     """Tokenizes these documents in one call (over the workers) for tokens() to find; nothing is counted yet."""
@@ -51,15 +53,18 @@ class Corpus:
     missing = [i for i in dict.fromkeys(ids) if i not in self._cache and i not in self._recent and i not in keep]
     self._ahead = {**keep, **dict(zip(missing, self._encode([self.docs[i] for i in missing])))}
 
-  def _tokenize(self, ids):
+  def _tokenize(self, ids) -> dict:
     fresh = [i for i in ids if i not in self._ahead]
     made = dict(zip(fresh, self._encode([self.docs[i] for i in fresh]))) if fresh else {}
+    out = {}
     for i in ids:
       value, bad, n_bytes, n_chars, n_tokens = self._ahead.pop(i) if i in self._ahead else made[i]
       self.bytes += n_bytes
       self.chars += n_chars
       self.tokens_count += n_tokens
       self._store(i, value, bad)
+      out[i] = value
+    return out
 
   def _encode(self, texts: list) -> list:
     if self._workers:

@@ -26,7 +26,6 @@ import grain
 import numpy as np
 from absl import logging
 
-from lm_jax import config_lib
 from lm_jax.data import corpus as corpus_lib
 from lm_jax.data import mixture as mixture_lib
 from lm_jax.data import prepared
@@ -297,17 +296,26 @@ class EvalBatches:
     return iter(self._batches)
 
 
-def _corpus(config, split: str, layout, tokenizer, source: mixture_lib.Source | None = None):
+def _layout(config, tokenizer, objective) -> tuple:
+  """(rows layout, transform): the objective's, or with rows prepared ahead (data/prepared.py) finished rows
+  that need no transform."""
+  layout = objective.rows(config, tokenizer)
+  if prepared.passes(config, layout):
+    return prepared.rows_layout(layout.width, objective.features(config)), lambda rows, rng: rows
+  return layout, objective.transform(config, tokenizer)
+
+
+def _corpus(config, split: str, layout, tokenizer, source: mixture_lib.Source | None = None, role: str = "train"):
   """The tokenized split: the layout's own corpus (task examples) or config.data's documents (or a mixture
-  source's); both count what they skip in a records.Tally (.tally, .stats)."""
+  source's); both count what they skip in a records.Tally (.tally, .stats). `role` ('train' or 'eval') picks a
+  prepared split's rows."""
   if getattr(layout, "corpus", None):
     if source is not None:
       raise ValueError(f"config.data.mixture mixes pre-training text; objective {config.objective!r} reads its "
                        "examples from config.task: clear the mixture")
     return layout.corpus(split)
   if config.data.prepared:
-    config_lib.require(source is None, "config.data.prepared reads one prepared source; clear config.data.mixture")
-    return prepared.open_split(config, split, tokenizer, layout.as_sentences)
+    return prepared.open_split(config, split, tokenizer, layout.as_sentences, role, source)
   docs = sources.documents(config, split, source)
   pool = workers.Workers(tokenizer, config.model.family, config.data.workers) if config.data.workers > 1 else None
   return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences, workers=pool)
@@ -338,7 +346,7 @@ def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0,
   if d.windows:     # nanoGPT's random windows (data/windows.py)
     return windows_lib.train_iterator(config, tokenizer, local)
   first, last = local.start // rows_per_shard, (local.stop - 1) // rows_per_shard
-  layout = objective.rows(config, tokenizer)
+  layout, transform = _layout(config, tokenizer, objective)
   mixture = mixture_lib.sources(config)
   corpora = {s.name: _corpus(config, s.train_split, layout, tokenizer, s) for s in mixture} or {
       "": _corpus(config, d.train_split, layout, tokenizer)}
@@ -354,7 +362,7 @@ def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0,
   else:
     streams = [_shard_stream(config, layout, corpora[""], k, config.seed, window_rows) for k in range(first, last + 1)]
   offset = first * rows_per_shard
-  return TrainIterator(streams, list(corpora.values()), objective.transform(config, tokenizer), seed=config.seed,
+  return TrainIterator(streams, list(corpora.values()), transform, seed=config.seed,
                        rows_per_shard=rows_per_shard, local=slice(local.start - offset, local.stop - offset),
                        prefetch=prefetch)
 
@@ -368,14 +376,14 @@ def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,
   local = _local_rows(config, process_index, process_count)
   if config.data.windows:   # the whole eval text in consecutive windows (data/windows.py)
     return EvalBatches(*windows_lib.eval_batches(config, tokenizer, local), stats={})
-  layout, transform = objective.rows(config, tokenizer), objective.transform(config, tokenizer)
+  layout, transform = _layout(config, tokenizer, objective)
   mixture = mixture_lib.sources(config)
   if not mixture:
-    corpus = _corpus(config, config.data.eval_split, layout, tokenizer)
+    corpus = _corpus(config, config.data.eval_split, layout, tokenizer, role="eval")
     return EvalBatches(_eval_batches(config, corpus, layout, transform, local), _text_per_token([corpus]), corpus.stats)
   batches, parts, corpora = [], {}, []
   for s in mixture:
-    corpus = _corpus(config, s.eval_split, layout, tokenizer, s)
+    corpus = _corpus(config, s.eval_split, layout, tokenizer, s, role="eval")
     found = _eval_batches(config, corpus, layout, transform, local)
     parts[s.name] = (slice(len(batches), len(batches) + len(found)), _text_per_token([corpus]))
     batches += found

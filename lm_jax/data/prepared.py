@@ -4,12 +4,27 @@ create_pretraining_data.py, MaxText and Levanter tokenize once into a cache that
 
 Document i of a split is record i of its shards (shard k holds documents [k * per_shard, (k + 1) * per_shard)). A
 record is what corpus.tokenize makes of the document: its tokens (or sentences), or the reason it is skipped and
-where it was read, with its bytes, characters and tokens. The pipeline builds rows, masks and batches from them
-exactly as from a Corpus, so prepared and on-the-fly training see the same batches (same seed), resume the same
-way and give the same stream on any number of hosts.
+where it was read, with its bytes, characters and tokens. Without rows prepared ahead (below) the pipeline builds
+rows, masks and batches from them exactly as from a Corpus, so prepared and on-the-fly training see the same
+batches (same seed), resume the same way and give the same stream on any number of hosts.
 
-DIR/manifest.json records what the shards were prepared for (tokenizer, seq_len, objective, masking, the source);
-a config that differs is a one-line ConfigError.
+Rows prepared ahead (manifest "passes" > 0; layouts whose rows are drawn per document, i.e. MLM + NSP): for each
+of `passes` epochs, every training document's NSP pairs, masked, as BERT's create_pretraining_data.py writes
+dupe_factor maskings once. Record p * documents + d holds document d's rows of pass p; epoch e reads pass e % passes
+(BERT also repeats its dupe_factor maskings over the ~40 epochs it trains). The eval split has one pass. The pairs
+are those the on-the-fly pipeline draws in epoch p (same seed, data.shards, data.shuffle); the masks cannot be:
+on the fly a batch is masked at once with a generator of (seed, shard, batch index), so a row's mask depends on the
+batch size and on which rows share its batch, which preparation cannot know. Prepared masks are drawn per document
+and pass instead (np.random.default_rng([seed, pass, document])), so they do not depend on the batch size or the
+number of hosts, and the rows are read back by the same windows, shuffles and cursors: the stream keeps its
+determinism, exact resume and host-count independence.
+
+A mixture (data.mixture) is prepared source by source, each in DIR/<name> as above (its rows with the source's
+own seed, as on the fly); DIR/manifest.json then lists them.
+
+DIR/manifest.json records what the shards were prepared for (tokenizer, seq_len, objective, masking, the source; for
+rows also the seed, data.shards and data.shuffle the pairs depend on); a config that differs is a one-line
+ConfigError.
 """
 import hashlib
 import json
@@ -33,12 +48,18 @@ def tokenizer_hash(tok) -> str:
   return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
 
 
-def expected(config, tok, as_sentences: bool) -> dict:
-  """What shards for this config are prepared for; the manifest must hold the same."""
+def expected(config, tok, as_sentences: bool, with_rows: bool, source=None) -> dict:
+  """What shards for this config (or for `source` of its mixture) are prepared for; the manifest must hold the
+  same. Rows also depend on the seed and on the shards and shuffle that decide which other document a NotNext pair
+  draws from."""
   d = config.data
-  return dict(version=VERSION, tokenizer=tokenizer_hash(tok), objective=config.objective, seq_len=d.seq_len,
-              as_sentences=as_sentences, masking={k: d[k] for k in _MASKING},
-              source=dict(files=d.files, tfds_name=d.tfds_name, text_field=d.text_field))
+  where = source or d
+  out = dict(version=VERSION, tokenizer=tokenizer_hash(tok), objective=config.objective, seq_len=d.seq_len,
+             as_sentences=as_sentences, masking={k: d[k] for k in _MASKING},
+             source=dict(files=where.files, tfds_name=where.tfds_name, text_field=where.text_field))
+  if with_rows:
+    out["rows"] = dict(seed=config.seed, shards=d.shards, shuffle=d.shuffle)
+  return out
 
 
 def split_dir(split: str) -> str:
@@ -59,6 +80,31 @@ def encode(entry, where: str) -> bytes:
   return b"T" + head + np.asarray(value, "<i4").tobytes()
 
 
+def encode_rows(rows: dict) -> bytes:
+  """One document's rows (a dict of arrays, one entry per row along axis 0); integer arrays that fit are stored as
+  uint16 (token ids of a vocabulary under 65536, positions), and read back in their own dtype."""
+  head, body = [], []
+  for key in sorted(rows):
+    a = np.ascontiguousarray(rows[key])
+    store = a.dtype.str
+    if a.dtype.kind in "iu" and (not a.size or (a.min() >= 0 and a.max() < 1 << 16)):
+      store = "<u2"
+    head.append([key, a.dtype.str, store, list(a.shape)])
+    body.append(a.astype(store).tobytes())
+  meta = json.dumps(head).encode()
+  return struct.pack("<I", len(meta)) + meta + b"".join(body)
+
+
+def decode_rows(raw: bytes) -> dict:
+  (n,) = struct.unpack_from("<I", raw)
+  out, at = {}, 4 + n
+  for key, dtype, store, shape in json.loads(raw[4:at]):
+    size = int(np.prod(shape))
+    out[key] = np.frombuffer(raw, store, size, at).reshape(shape).astype(dtype)
+    at += size * np.dtype(store).itemsize
+  return out
+
+
 def decode(raw: bytes):
   """(value, Bad or None, bytes, chars, tokens, where of a bad one)."""
   kind, (n_bytes, n_chars, n_tokens), body = raw[:1], _HEAD.unpack_from(raw, 1), raw[1 + _HEAD.size:]
@@ -71,6 +117,39 @@ def decode(raw: bytes):
     tokens = np.frombuffer(body, "<i4", offset=4 + 4 * n).astype(np.int32)
     return np.split(tokens, np.cumsum(lengths)[:-1]) if n else [], None, n_bytes, n_chars, n_tokens, ""
   return np.frombuffer(body, "<i4").astype(np.int32), None, n_bytes, n_chars, n_tokens, ""
+
+
+class Shards:
+  """Records of array_record files in order, read one at a time by index. Not grain's ArrayRecordDataSource: its
+  item read, reader.read([i]), costs time in proportion to the file's record count (45 ms a record in a file of
+  2.9M), where reader.read(i, i + 1) takes microseconds."""
+
+  def __init__(self, files: list[str], counts: list[int]):
+    from array_record.python import array_record_module
+    self._open = lambda path: array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0")
+    self._files, self._readers = files, [None] * len(files)   # opened when first read
+    self._starts = np.cumsum([0] + counts)
+
+  def _reader(self, k: int):
+    if self._readers[k] is None:
+      self._readers[k] = self._open(self._files[k])
+    return self._readers[k]
+
+  def __len__(self):
+    return int(self._starts[-1])
+
+  def __getitem__(self, i: int) -> bytes:
+    if not 0 <= i < len(self):
+      raise IndexError(f"record {i} of {len(self)}")
+    k = int(np.searchsorted(self._starts, i, side="right")) - 1
+    at = int(i - self._starts[k])
+    return self._reader(k).read(at, at + 1)[0]
+
+
+def _counts(meta: dict) -> list[int]:
+  """The records of each of a split's shards (shard k: documents [k * per_shard, (k + 1) * per_shard))."""
+  n, per = meta["documents"], meta["docs_per_shard"]
+  return [min(per, n - k * per) for k in range(len(meta["shards"]))]
 
 
 class _Docs(records.Records):
@@ -99,9 +178,8 @@ class PreparedCorpus:
   """A Corpus (data/corpus.py) read from prepared shards: tokens(ids) per id, the same tally and text counts."""
 
   def __init__(self, directory: str, split: str, meta: dict, as_sentences: bool):
-    from array_record.python import array_record_data_source
     files = [os.path.join(directory, split_dir(split), name) for name in meta["shards"]]
-    self.docs = _Docs(array_record_data_source.ArrayRecordDataSource(files) if files else [],
+    self.docs = _Docs(Shards(files, _counts(meta)),
                       meta["path"], meta["decode_stats"])
     self.path = self.docs.path
     self._empty = [] if as_sentences else np.zeros(0, np.int32)
@@ -129,18 +207,74 @@ class PreparedCorpus:
     return out
 
 
-def open_split(config, split: str, tok, as_sentences: bool) -> PreparedCorpus:
-  """config.data.prepared's split, after checking that it was prepared for this config."""
-  directory = os.path.expanduser(config.data.prepared)
-  path = os.path.join(directory, MANIFEST)
-  config_lib.require(os.path.exists(path), f"config.data.prepared={config.data.prepared}: no {MANIFEST} there; "
+class PreparedRows(PreparedCorpus):
+  """A prepared split with its rows made ahead: instances(epoch, doc) -> the document's masked rows of pass
+  epoch % passes, one dict per row (what the layout of rows_layout assembles)."""
+
+  def __init__(self, directory: str, split: str, meta: dict, role: str):
+    super().__init__(directory, split, meta, as_sentences=True)
+    made = meta["rows"][role]
+    self.passes = made["passes"]
+    files = [os.path.join(directory, split_dir(split), name) for name in made["shards"]]
+    self._rows = Shards(files, _counts(meta) * self.passes)
+
+  def instances(self, epoch: int, doc: int) -> list:
+    if not self._seen[doc]:
+      self.tokens([doc])                 # counted in the tally once, as on the fly
+    rows = decode_rows(self._rows[(epoch % self.passes) * len(self) + doc])
+    n = len(rows["input_ids"]) if rows else 0
+    return [{k: v[r] for k, v in rows.items()} for r in range(n)]
+
+
+def rows_layout(width: int, features: dict):
+  """The layout of prepared rows: each instance already is a finished row of the objective's `features`
+  ({name: (shape, dtype)}), so assembling stacks them."""
+  from lm_jax.data import rows as rows_lib
+
+  def stack(found: list) -> dict:
+    if not found:
+      return {k: np.zeros((0, *shape), dtype) for k, (shape, dtype) in features.items()}
+    return {k: np.stack([r[k] for r in found]) for k in features}
+  return rows_lib.PerDocument(width=width, instances=None, assemble=stack,
+                              real_tokens=lambda row: int(row["attention_mask"].sum()))
+
+
+def manifest(config, source=None) -> dict:
+  """config.data.prepared's manifest.json (a mixture's: the one of `source`, in its folder <name>)."""
+  name = f"{source.name}/{MANIFEST}" if source else MANIFEST
+  path = os.path.join(os.path.expanduser(config.data.prepared), name)
+  config_lib.require(os.path.exists(path), f"config.data.prepared={config.data.prepared}: no {name} there; "
                      "write it with python -m lm_jax.prepare")
   with open(path) as f:
-    manifest = json.load(f)
-  want = expected(config, tok, as_sentences)
+    return json.load(f)
+
+
+def passes(config, layout) -> int:
+  """The passes of rows config.data.prepared holds for this layout; 0 when the rows are built on the fly."""
+  if not config.data.prepared or not layout.as_sentences or getattr(layout, "corpus", None):
+    return 0
+  return manifest(config).get("passes", 0)
+
+
+def open_split(config, split: str, tok, as_sentences: bool, role: str = "train", source=None) -> PreparedCorpus:
+  """config.data.prepared's split of config.data (or of mixture `source`), its rows for `role` ('train' or
+  'eval') if rows were prepared, after checking that it was prepared for this config."""
+  top = manifest(config)
+  held = ", ".join(top.get("sources", {}))
+  config_lib.require(bool(source) == bool(held), f"config.data.prepared={config.data.prepared} holds " + (
+      f"the sources of a mixture ({held}); this config has no config.data.mixture" if held else
+      "one source, this config has a config.data.mixture: prepare it again for this config"))
+  manifest_ = manifest(config, source)
+  with_rows = manifest_.get("passes", 0) > 0
+  want = expected(config, tok, as_sentences, with_rows, source)
+  name = f"{config.data.prepared}" + (f" (source {source.name})" if source else "")
   for key, value in want.items():
-    config_lib.require(manifest.get(key) == value, f"config.data.prepared={config.data.prepared} was prepared for "
-                       f"{key}={manifest.get(key)!r}, this config has {value!r}: prepare it again for this config")
-  config_lib.require(split in manifest["splits"], f"config.data.prepared={config.data.prepared} has no split "
-                     f"{split!r} (it has {', '.join(manifest['splits'])})")
-  return PreparedCorpus(directory, split, manifest["splits"][split], as_sentences)
+    config_lib.require(manifest_.get(key) == value, f"config.data.prepared={name} was prepared for "
+                       f"{key}={manifest_.get(key)!r}, this config has {value!r}: prepare it again for this config")
+  config_lib.require(split in manifest_["splits"], f"config.data.prepared={name} has no split "
+                     f"{split!r} (it has {', '.join(manifest_['splits'])})")
+  meta = manifest_["splits"][split]
+  directory = os.path.join(os.path.expanduser(config.data.prepared), source.name if source else "")
+  if with_rows:
+    return PreparedRows(directory, split, meta, role)
+  return PreparedCorpus(directory, split, meta, as_sentences)

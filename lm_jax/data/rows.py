@@ -122,8 +122,14 @@ class ShardRows:
     return tokens, docs, end
 
   def instances(self, epoch: int, pos: int) -> list:
-    """The instances of the document at `pos`, a pure function of (seed, shard, epoch, document)."""
+    """The instances of the document at `pos`: prepared ahead (data/prepared.py's PreparedRows) or drawn here."""
     doc = self.doc_id(epoch, pos)
+    if hasattr(self.corpus, "instances"):
+      return self.corpus.instances(epoch, doc)
+    return self.doc_instances(epoch, doc)
+
+  def doc_instances(self, epoch: int, doc: int) -> list:
+    """The instances of document `doc` in `epoch`, a pure function of (seed, shard, epoch, document)."""
     segments = self.corpus.tokens([doc])[0]
     if not segments:
       return []
@@ -142,7 +148,7 @@ class ShardRows:
     pos, off = cursor
     out, ready = [], pos
     while len(out) < n_rows and pos < self.epoch_len:
-      if pos >= ready:     # tokenize the next documents together, one batched call
+      if pos >= ready and not hasattr(self.corpus, "instances"):   # tokenize the next documents in one call
         ready = min(pos + corpus_lib.DOCS_PER_CALL, self.epoch_len)
         self._read_ahead(epoch, pos)
         self.corpus.tokens([self.doc_id(epoch, p) for p in range(pos, ready)])
