@@ -34,7 +34,7 @@ import struct
 import numpy as np
 
 from lm_jax import config_lib
-from lm_jax.data import records
+from lm_jax.data import records, spill
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -119,33 +119,6 @@ def decode(raw: bytes):
   return np.frombuffer(body, "<i4").astype(np.int32), None, n_bytes, n_chars, n_tokens, ""
 
 
-class Shards:
-  """Records of array_record files in order, read one at a time by index. Not grain's ArrayRecordDataSource: its
-  item read, reader.read([i]), costs time in proportion to the file's record count (45 ms a record in a file of
-  2.9M), where reader.read(i, i + 1) takes microseconds."""
-
-  def __init__(self, files: list[str], counts: list[int]):
-    from array_record.python import array_record_module
-    self._open = lambda path: array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0")
-    self._files, self._readers = files, [None] * len(files)   # opened when first read
-    self._starts = np.cumsum([0] + counts)
-
-  def _reader(self, k: int):
-    if self._readers[k] is None:
-      self._readers[k] = self._open(self._files[k])
-    return self._readers[k]
-
-  def __len__(self):
-    return int(self._starts[-1])
-
-  def __getitem__(self, i: int) -> bytes:
-    if not 0 <= i < len(self):
-      raise IndexError(f"record {i} of {len(self)}")
-    k = int(np.searchsorted(self._starts, i, side="right")) - 1
-    at = int(i - self._starts[k])
-    return self._reader(k).read(at, at + 1)[0]
-
-
 def _counts(meta: dict) -> list[int]:
   """The records of each of a split's shards (shard k: documents [k * per_shard, (k + 1) * per_shard))."""
   n, per = meta["documents"], meta["docs_per_shard"]
@@ -179,7 +152,7 @@ class PreparedCorpus:
 
   def __init__(self, directory: str, split: str, meta: dict, as_sentences: bool):
     files = [os.path.join(directory, split_dir(split), name) for name in meta["shards"]]
-    self.docs = _Docs(Shards(files, _counts(meta)),
+    self.docs = _Docs(spill.Shards(files, _counts(meta)),
                       meta["path"], meta["decode_stats"])
     self.path = self.docs.path
     self._empty = [] if as_sentences else np.zeros(0, np.int32)
@@ -216,7 +189,7 @@ class PreparedRows(PreparedCorpus):
     made = meta["rows"][role]
     self.passes = made["passes"]
     files = [os.path.join(directory, split_dir(split), name) for name in made["shards"]]
-    self._rows = Shards(files, _counts(meta) * self.passes)
+    self._rows = spill.Shards(files, _counts(meta) * self.passes)
 
   def instances(self, epoch: int, doc: int) -> list:
     if not self._seen[doc]:

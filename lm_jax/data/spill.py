@@ -9,6 +9,8 @@ import hashlib
 import json
 import os
 
+import numpy as np
+
 from lm_jax import storage
 
 _VERSION = 1                 # bump when what a spill holds changes
@@ -23,8 +25,34 @@ class SpillFile:
   decode_stats: dict
 
   def reader(self):
-    from array_record.python import array_record_data_source
-    return array_record_data_source.ArrayRecordDataSource([self.path])
+    return Shards([self.path], [self.count])
+
+
+class Shards:
+  """Records of array_record files in order, read one at a time by index. Not grain's ArrayRecordDataSource: its
+  item read, reader.read([i]), costs time in proportion to the file's record count (45 ms a record in a file of
+  2.9M), where reader.read(i, i + 1) takes microseconds."""
+
+  def __init__(self, files: list[str], counts: list[int]):
+    from array_record.python import array_record_module
+    self._open = lambda path: array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0")
+    self._files, self._readers = files, [None] * len(files)   # opened when first read
+    self._starts = np.cumsum([0] + counts)
+
+  def _reader(self, k: int):
+    if self._readers[k] is None:
+      self._readers[k] = self._open(self._files[k])
+    return self._readers[k]
+
+  def __len__(self):
+    return int(self._starts[-1])
+
+  def __getitem__(self, i: int) -> bytes:
+    if not 0 <= i < len(self):
+      raise IndexError(f"record {i} of {len(self)}")
+    k = int(np.searchsorted(self._starts, i, side="right")) - 1
+    at = int(i - self._starts[k])
+    return self._reader(k).read(at, at + 1)[0]
 
 
 def folder() -> str:
