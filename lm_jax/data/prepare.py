@@ -24,7 +24,7 @@ import numpy as np
 from lm_jax import config_lib
 from lm_jax.data import corpus as corpus_lib
 from lm_jax.data import mixture as mixture_lib
-from lm_jax.data import prepared, sources, tokenizer
+from lm_jax.data import pipeline, prepared, sources, tokenizer
 from lm_jax.data import rows as rows_lib
 
 DOCS_PER_SHARD = 8192
@@ -50,7 +50,7 @@ def prepare(config, objective, out: str, *, workdir: str = "", processes: int = 
   mixture = mixture_lib.sources(config)
   with multiprocessing.get_context("spawn").Pool(processes) if processes > 1 else contextlib.nullcontext() as pool:
     run = functools.partial(pool.map, chunksize=1) if pool else lambda f, jobs: [f(job) for job in jobs]
-    job = dict(config=config, workdir=workdir, as_sentences=layout.as_sentences)
+    job = dict(config=config, objective=objective, workdir=workdir, as_sentences=layout.as_sentences)
     if mixture:
       made = {s.name: _prepare(dict(job, out=os.path.join(out, s.name), source=s), tok, docs_per_shard, passes, run)
               for s in mixture}
@@ -118,13 +118,11 @@ def _write_rows(job):
   """Rows of pass p for documents `ids`: the NSP pairs the pipeline draws in epoch p (training: the document's data
   shard, in that shard's epoch order, with a mixture source's own seed; eval: shard 0 in document order), masked by
   the objective's transform with a generator of (that seed, pass, document)."""
-  from lm_jax import objectives
-  from lm_jax.data import pipeline
   config, source, role, p = job["config"], job["source"], job["role"], job["p"]
   key = ("rows", job["workdir"], job["out"], job["split"], role)
   if key not in _OPEN:
     tok = tokenizer.load_or_train(config, job["workdir"])
-    objective = objectives.get(config.objective)
+    objective = job["objective"]
     corpus = prepared.PreparedCorpus(job["out"], job["split"], job["meta"], as_sentences=True)
     layout, d = objective.rows(config, tok), config.data
     if role == "train":

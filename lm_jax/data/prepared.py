@@ -35,6 +35,7 @@ import numpy as np
 
 from lm_jax import config_lib
 from lm_jax.data import records, spill
+from lm_jax.data import rows as rows_lib
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -202,8 +203,6 @@ class PreparedRows(PreparedCorpus):
 def rows_layout(width: int, features: dict):
   """The layout of prepared rows: each instance already is a finished row of the objective's `features`
   ({name: (shape, dtype)}), so assembling stacks them."""
-  from lm_jax.data import rows as rows_lib
-
   def stack(found: list) -> dict:
     if not found:
       return {k: np.zeros((0, *shape), dtype) for k, (shape, dtype) in features.items()}
