@@ -2,6 +2,7 @@
 and an objective defined here, in a test file, trains through the unchanged trainer."""
 import ast
 import pathlib
+import pickle
 
 import jax.numpy as jnp
 import numpy as np
@@ -83,3 +84,9 @@ def test_a_toy_objective_trains_through_the_real_trainer(shared_data, tmp_path, 
   # tokens per example come from the objective: seq_len tokens, no decoder
   assert result["train"]["tokens_per_sec"] > 0
   assert (tmp_path / "checkpoints" / "30").is_dir()
+
+
+def test_every_objective_pickles_as_its_registry_entry():
+  """lm_jax.prepare hands the objective to a spawned pool; some objectives' functions are lambdas."""
+  for name in objectives.names():
+    assert pickle.loads(pickle.dumps(objectives.get(name))) is objectives.get(name)

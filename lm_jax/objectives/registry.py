@@ -25,6 +25,11 @@ class Objective:
   added_tokens: int = 0  # special tokens appended to the pre-trained vocabulary (init_from.resolve)
   rollouts: bool = False  # trains on rollouts of its own policy (PPO): lm_jax.rlhf.ppo.train runs it, not train.train
 
+  def __reduce__(self):
+    """Pickled as its name, read back from the registry (importing this module registers every objective): a
+    process of lm_jax.prepare's pool gets the objective, whose functions may be lambdas that do not pickle."""
+    return get, (self.name,)
+
   def tokens_per_example(self, config) -> int:
     lengths = self.lengths(config)
     return lengths.inputs + lengths.targets
