@@ -1,5 +1,6 @@
 """Shared test fixtures and helpers: where the offline data lives, and the tiny setup every training test uses
 (config values / CLI flags / in-process config, running the CLI, reading metrics.jsonl)."""
+import json
 import os
 import pathlib
 import socket
@@ -146,3 +147,14 @@ def gcs_server(tmp_path_factory):
       os.environ[k] = v
   proc.kill()
   proc.wait()
+
+
+def write_arrow_dir(folder: pathlib.Path, table, rows_per_batch: int):
+  """A `datasets` save_to_disk folder of `table` (one arrow stream file and its state.json), as the formats read it."""
+  import pyarrow as pa
+  folder.mkdir()
+  with pa.OSFile(str(folder / "data-00000-of-00001.arrow"), "wb") as sink:
+    with pa.ipc.new_stream(sink, table.schema) as w:
+      for batch in table.to_batches(max_chunksize=rows_per_batch):
+        w.write_batch(batch)
+  (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from conftest import write_arrow_dir
 from lm_jax.data import formats, records
 
 DATA = os.environ.get("LM_JAX_DATA", "/work/shared/data")
@@ -30,12 +31,7 @@ def twins(tmp_path_factory):
   (d / "c.jsonl.zst").write_bytes(z.compress(data[:half]) + z.compress(data[half:]))
   table = pa.table({"text": texts, "id": list(range(len(texts)))})
   pq.write_table(table, d / "c.parquet", row_group_size=100)
-  (d / "arrow").mkdir()
-  with pa.OSFile(str(d / "arrow" / "data-00000-of-00001.arrow"), "wb") as sink:
-    with pa.ipc.new_stream(sink, table.schema) as w:
-      for batch in table.to_batches(max_chunksize=100):
-        w.write_batch(batch)
-  (d / "arrow" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+  write_arrow_dir(d / "arrow", table, 100)
   (d / "wiki.txt").write_bytes(open(f"{DATA}/wikitext-2-raw/wiki.valid.raw", "rb").read())
   return d, texts
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cli, flags, free_port, gcs_env, records, start_gcs
+from conftest import REPO, cli, flags, free_port, gcs_env, records, start_gcs, write_arrow_dir
 from lm_jax import storage
 from lm_jax.obs import metrics_log
 
@@ -271,12 +271,7 @@ def corpus(gcs_server, shared_data, tmp_path_factory):
   (d / "c.txt").write_text("\n\n".join(texts[:60]))
   table = pa.table({"text": texts})
   pq.write_table(table, d / "c.parquet", row_group_size=50)
-  (d / "arrow").mkdir()
-  with pa.OSFile(str(d / "arrow" / "data-00000-of-00001.arrow"), "wb") as sink:
-    with pa.ipc.new_stream(sink, table.schema) as w:
-      for batch in table.to_batches(max_chunksize=50):
-        w.write_batch(batch)
-  (d / "arrow" / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+  write_arrow_dir(d / "arrow", table, 50)
   upload(d, BUCKET)
   return d, texts
 
