@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -461,22 +462,31 @@ def test_a_permission_refusal_is_one_line_at_start(shared_data, tmp_path, refusi
 
 
 # ------------------------------------------------------------------------- kill -9, several processes, W&B
+# The trainer, killed by SIGKILL from inside its own process as soon as step 60's record is written: a poll from outside
+# raced the tiny run (the fresh-venv CI saw it finish all 100 steps before the poll read step 60).
+_KILLED_AT_60 = """
+import os, runpy, signal, sys
+from lm_jax.obs import metrics_log
+write = metrics_log.MetricsLog.write
+def write_then_die(self, record):
+  write(self, record)
+  if record.get("step", 0) >= 60:
+    os.kill(os.getpid(), signal.SIGKILL)
+metrics_log.MetricsLog.write = write_then_die
+sys.argv = ["lm_jax.main", *sys.argv[1:]]
+runpy.run_module("lm_jax.main", run_name="__main__")
+"""
+
+
 def test_kill_9_then_resume_is_bit_identical_to_an_uninterrupted_run(gcs_server, shared_data, tmp_path):
   """A gs:// run killed with SIGKILL once step 60 is logged (a checkpoint every 7 steps, so maybe mid-save) resumes
   to the records of the same run uninterrupted on a local disk, every loss exact."""
   args = flags("clm", shared_data, log_every=1, eval_every=50, checkpoint_every=7, **{"optimizer.lr": 1e-2})
   args += ["--config.total_steps=100"]
-  with open(tmp_path / "log", "w") as log:
-    run = subprocess.Popen([sys.executable, "-m", "lm_jax.main", *args, "--workdir=gs://testbucket/killed"], cwd=REPO,
-                           stdout=log, stderr=subprocess.STDOUT)
-  try:
-    deadline = time.monotonic() + 300
-    while not any(r.get("step", 0) >= 60 for r in metrics_log.read("gs://testbucket/killed/metrics.jsonl")):
-      assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
-      time.sleep(0.2)
-  finally:
-    run.kill()
-    run.wait()
+  killed = subprocess.run([sys.executable, "-c", _KILLED_AT_60, *args, "--workdir=gs://testbucket/killed"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  assert max(r["step"] for r in metrics_log.read("gs://testbucket/killed/metrics.jsonl")) == 60
   resumed = cli(*args, "--workdir=gs://testbucket/killed")
   reference = cli(*args, f"--workdir={tmp_path / 'local'}")
   for p in (resumed, reference):
