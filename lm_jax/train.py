@@ -11,7 +11,7 @@ from typing import Callable
 import jax
 from etils import epath
 
-from lm_jax import (checkpoint, checks, init_from, layout as layout_lib, loop, objectives, params as params_lib,
+from lm_jax import (checkpoint, checks, init_from, layout as layout_lib, loop, models, objectives, params as params_lib,
                     sharding, step, workdir_lock)
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.evals import lm_eval_adapter, predict
@@ -38,7 +38,7 @@ def setup(config, workdir: str, devices=None, *, held: contextlib.ExitStack | No
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   if held is not None:
     held.enter_context(workdir_lock.hold(workdir))
-  tokenizer = tokenizer_lib.load_or_train(config, workdir)
+  tokenizer = tokenizer_lib.load_or_train(config, workdir, models.family(config.model))
   layout = layout_lib.build(config, sharding.make_mesh(config, devices))
   return Setup(**vars(layout), tokenizer=tokenizer)
 

@@ -12,7 +12,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from lm_jax import config_lib
+from lm_jax import config_lib, models
+from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.obs import metrics_log
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -66,6 +67,11 @@ def load_config(objective, data_dir, /, **overrides):
 def cli(*args, env=None, timeout=900):
   return subprocess.run([sys.executable, "-m", "lm_jax.main", *args], cwd=REPO, capture_output=True, text=True,
                         env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def run_tokenizer(config, workdir):
+  """The run's tokenizer as the trainer gets it: config.data.tokenizer, or trained and cached in workdir."""
+  return tokenizer_lib.load_or_train(config, str(workdir), models.family(config.model))
 
 
 def records(workdir, kind="train"):

@@ -106,7 +106,7 @@ def test_export_loads_in_transformers(trained, shared_data, tmp_path):
   np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-3)
   assert float(np.abs(ours).max()) > 0
   text = "First Citizen: Before we proceed any further, hear me speak."   # the run's tokenizer came along
-  ids = tokenizer.load(str(next(workdir.glob("tokenizer_gpt_*.model"))), "gpt").encode(text)
+  ids = tokenizer.load(str(next(workdir.glob("tokenizer_gpt_*.model"))), models.family("gpt")).encode(text)
   assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ids
   assert export.load_hf_tokenizer(str(out)).encode(text) == ids
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from conftest import same_batches, take
+from conftest import run_tokenizer, same_batches, take
 from lm_jax import config_lib, objectives
-from lm_jax.data import masking, nsp, packing, pipeline, records, sources, tfds_prepare, tokenizer
+from lm_jax.data import masking, nsp, packing, pipeline, records, sources, tfds_prepare
 
 CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
 
@@ -47,7 +47,7 @@ def _config(objective, path, *, nsp_=False, vocab=320, seq_len=64, batch=8, **da
 def toks(files, tmp_path_factory):
   """A BPE tokenizer per family, trained on the big corpus."""
   work = tmp_path_factory.mktemp("tok")
-  return {o: tokenizer.load_or_train(_config(o, files / "big.txt"), str(work)) for o in CONFIGS}
+  return {o: run_tokenizer(_config(o, files / "big.txt"), str(work)) for o in CONFIGS}
 
 
 def _train_it(c, tok, **kw):

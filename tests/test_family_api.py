@@ -3,6 +3,7 @@
 trains with every objective of that layout."""
 import ast
 import pathlib
+import pickle
 
 import pytest
 
@@ -77,6 +78,13 @@ def test_every_family_is_registered_with_its_facts():
     assert (fam.decode_step is None) == (fam.layout == "encoder")
   with pytest.raises(ValueError, match="unknown model.family 'gpt3'; known: bert, gpt, gpt2, t5$"):
     models.family("gpt3")
+
+
+def test_every_family_pickles_as_its_registry_entry():
+  """A tokenizing worker process is handed the family its tokenizer is checked against (lm_jax/data/workers.py);
+  a family's record holds lambdas (check_config's default)."""
+  for name in models.names():
+    assert pickle.loads(pickle.dumps(models.family(name))) is models.family(name)
 
 
 @pytest.mark.parametrize("objective,layouts", [

@@ -42,7 +42,7 @@ def tiny_bert(**fields):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-  return tokenizer_lib.load(MINILM, "bert")
+  return tokenizer_lib.load(MINILM, models.family("bert"))
 
 
 @pytest.fixture(scope="module")

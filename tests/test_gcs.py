@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, cli, flags, free_port, gcs_env, records, start_gcs, write_arrow_dir
-from lm_jax import storage
+from lm_jax import models, storage
 from lm_jax.obs import metrics_log
 
 # tensorstore (orbax's checkpoints) logs this one INFO line per process when told the emulator needs no credentials
@@ -370,13 +370,13 @@ def test_a_hugging_face_tokenizer_folder_in_a_bucket(gcs_server, tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
   (tmp_path / "model.safetensors").write_bytes(b"not read")
   upload(tmp_path, "gs://testbucket/hf_tok")
-  local, remote = (tokenizer_lib.load(p, "bert") for p in (str(tmp_path), "gs://testbucket/hf_tok"))
+  local, remote = (tokenizer_lib.load(p, models.family("bert")) for p in (str(tmp_path), "gs://testbucket/hf_tok"))
   assert remote.encode("The cats sat") == local.encode("The cats sat") == [5, 6, 8, 7]
   assert remote.serialized == local.serialized and remote.path == "gs://testbucket/hf_tok/vocab.txt"
   with pytest.raises(FileNotFoundError, match="^config.data.tokenizer: gs://testbucket/none does not exist$"):
-    tokenizer_lib.load("gs://testbucket/none", "bert")
+    tokenizer_lib.load("gs://testbucket/none", models.family("bert"))
   with pytest.raises(ValueError, match="^tokenizer gs://testbucket/hf_tok/vocab.txt: a t5 tokenizer needs <extra_id"):
-    tokenizer_lib.load("gs://testbucket/hf_tok", "t5")
+    tokenizer_lib.load("gs://testbucket/hf_tok", models.family("t5"))
 
 
 def test_a_lora_adapter_in_a_bucket(gcs_server, tmp_path):

@@ -153,13 +153,13 @@ def toy(tmp_path_factory):
   paths = toy_tasks.write_toy(str(out), train=200, dev=20, tasks=("reverse",), length=(4, 4))
   lines = [json.loads(line)["text"] for name in sorted(os.listdir(out)) for line in open(out / name)]
   (out / "prompts.txt").write_text("\n".join(lines) + "\n")
-  (out / "toy.model").write_bytes(tokenizer_lib.train(lines, family="gpt2", vocab_size=64))
+  (out / "toy.model").write_bytes(tokenizer_lib.train(lines, family=models.family("gpt2"), vocab_size=64))
   return dict(paths, text=str(out / "prompts.txt"), tokenizer=str(out / "toy.model"))
 
 
 def test_export_with_tokenizer_loads_in_transformers(exported, toy, tmp_path):
   m, p, _ = exported
-  tok = tokenizer_lib.load(toy["tokenizer"], "gpt2")
+  tok = tokenizer_lib.load(toy["tokenizer"], models.family("gpt2"))
   export.save_hf(m, p, str(tmp_path), tokenizer=tok)
   hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
   text = "reverse the letters"

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from lm_jax import checkpoint, config_lib, defaults, init_from, models, objectives, optim, step, train
-from lm_jax.data import records, tasks, tokenizer as tokenizer_lib
+from lm_jax.data import records, tasks
 from lm_jax.objectives import gpt_classify
 from lm_jax.obs import metrics_log
+from conftest import run_tokenizer
 
 V = 40                      # the "pre-trained" vocabulary; the specials are 40, 41, 42
 S, D, E = V, V + 1, V + 2
@@ -167,7 +168,7 @@ def finetuned(shared_data, tmp_path_factory):
   pre = config_lib.load("configs/gpt1.py:tiny", {
       "data.files": str(root / "text.txt"), "model.vocab_size": 128, "model.d_model": 32, "model.num_heads": 2,
       "model.d_ff": 128, "model.num_layers": 1})
-  tokenizer_lib.load_or_train(pre, str(root / "pre"))
+  run_tokenizer(pre, str(root / "pre"))
   tx, _ = optim.make(pre, models.logical_axes(pre.model))
   mngr = checkpoint.manager(str(root / "pre"), 1)
   checkpoint.save(mngr, 1, step.init_state(_random_params(pre.model, 5, std=0.02), tx), {}, pre)

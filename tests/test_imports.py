@@ -17,7 +17,9 @@ FORBIDDEN = {
     "lm_jax.models": ("lm_jax.data", "lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", "lm_jax.hf",
                       "lm_jax.decoding", *_TRAINERS),
     "lm_jax.hf": ("lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", *_TRAINERS),
-    "lm_jax.data": ("lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", "lm_jax.hf", *_TRAINERS),
+    # data is handed a family's record (its tokenizer specials) by the caller; it never looks a family up
+    "lm_jax.data": ("lm_jax.models", "lm_jax.objectives", "lm_jax.step", "lm_jax.params", "lm_jax.peft", "lm_jax.hf",
+                    *_TRAINERS),
     "lm_jax.objectives": ("lm_jax.step", "lm_jax.peft", "lm_jax.decoding", *_TRAINERS),   # a loss, never a decoder
     "lm_jax.peft": ("lm_jax.params", "lm_jax.step", "lm_jax.objectives", *_TRAINERS),
     "lm_jax.params": ("lm_jax.step", "lm_jax.objectives", *_TRAINERS),

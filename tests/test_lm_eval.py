@@ -25,8 +25,8 @@ def gpt(shared_data, tmp_path_factory):
   """(model config, params, tokenizer, export dir): random weights, a SentencePiece model of a Shakespeare slice."""
   lines = (shared_data / "tiny_shakespeare" / "input.txt").read_text()[:100_000].splitlines()
   model = tmp_path_factory.mktemp("spm") / "gpt.model"
-  model.write_bytes(tokenizer_lib.train(lines, family="gpt", vocab_size=384))
-  tok = tokenizer_lib.load(str(model), "gpt")
+  model.write_bytes(tokenizer_lib.train(lines, family=models.family("gpt"), vocab_size=384))
+  tok = tokenizer_lib.load(str(model), models.family("gpt"))
   m = defaults.model_defaults("gpt")
   m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.d_ff, m.max_positions = tok.vocab_size, 32, 2, 2, 128, 512
   m.dropout_rate = m.attention_dropout_rate = 0.0

@@ -7,9 +7,8 @@ import math
 import jax
 import pytest
 
-from conftest import REPO, load_config, records
+from conftest import REPO, load_config, records, run_tokenizer
 from lm_jax import checkpoint_export, config_lib, train
-from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.evals import lm_eval_adapter
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -59,7 +58,7 @@ def test_generate_until_equals_harness(run, shared_data):
   from lm_eval.api.instance import Instance
   config, workdir, result, _, hf = run
   ours = lm_eval_adapter.JaxLM(config.model, jax.device_get(result["state"]["params"]),
-                               tokenizer_lib.load_or_train(config, workdir), batch_size=4)
+                               run_tokenizer(config, workdir), batch_size=4)
   lines = (shared_data / "tiny_shakespeare" / "input.txt").read_text()[:3000].splitlines()
   options = {"until": ["\n\n", "."], "max_gen_toks": 12}
   requests = [Instance("generate_until", {}, (text, dict(options)), 0)

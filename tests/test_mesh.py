@@ -24,13 +24,12 @@ SCRIPT = textwrap.dedent("""
     import json, pathlib, sys
     import jax, numpy as np
     sys.path.insert(0, {tests!r})
-    from conftest import load_config, records
+    from conftest import load_config, records, run_tokenizer
     from lm_jax import train
-    from lm_jax.data import tokenizer as tokenizer_lib
     objective, data, work = {objective!r}, pathlib.Path({data!r}), pathlib.Path({work!r})
     overrides = dict(total_steps=5, log_every=1, eval_every=0, checkpoint_every=5, batch_size=16, peak_tflops=1.0,
                      **{{"optimizer.warmup_steps": 2, **{model!r}}})
-    tokenizer_lib.load_or_train(load_config(objective, data, **overrides), str(work / "tok"))  # once for all meshes
+    run_tokenizer(load_config(objective, data, **overrides), str(work / "tok"))  # once for all meshes
     overrides["data.tokenizer"] = str(next((work / "tok").glob("*.model")))
     shards = lambda x: [list(x.sharding.spec), list(x.addressable_shards[0].data.shape)]
     out = {{}}

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from lm_jax import checkpoint, checks, config_lib, objectives, train
-from lm_jax.data import mixture, pipeline, sources, tokenizer
-from conftest import load_config, records, same_batches, take
+from lm_jax.data import mixture, pipeline, sources
+from conftest import load_config, records, run_tokenizer, same_batches, take
 
 CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
 WEIGHTS = (3.0, 1.0)
@@ -38,7 +38,7 @@ def _config(objective, data, *, shards=1, nsp=False, **mix):
 def toks(shared_data, tmp_path_factory):
   """A BPE tokenizer per family, trained on the mixture's text (each source's share by weight)."""
   work = tmp_path_factory.mktemp("tok")
-  return {o: tokenizer.load_or_train(_config(o, shared_data), str(work)) for o in CONFIGS}
+  return {o: run_tokenizer(_config(o, shared_data), str(work)) for o in CONFIGS}
 
 
 def _train_it(c, tok, **kw):

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from conftest import run_tokenizer
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "--config=configs/gpt1.py:tiny"
 OVERRIDES = {"data.tfds_name": "", "total_steps": 10, "checkpoint_every": 6, "log_every": 1, "eval_every": 0,
@@ -70,11 +72,9 @@ def resume_from_step_6(src, dst):
 def runs(tmp_path_factory, shared_data):
   """Workdirs of the 2-process run and the 1-process run (same tokenizer)."""
   from lm_jax import config_lib
-  from lm_jax.data import tokenizer
   root = tmp_path_factory.mktemp("multihost")
   overrides = dict(OVERRIDES, **{"data.files": str(shared_data / "tiny_shakespeare" / "input.txt")})
-  tokenizer.load_or_train(config_lib.load("configs/gpt1.py:tiny", {"data.files": overrides["data.files"]}),
-                          str(root / "tok"))
+  run_tokenizer(config_lib.load("configs/gpt1.py:tiny", {"data.files": overrides["data.files"]}), root / "tok")
   overrides["data.tokenizer"] = str(next((root / "tok").glob("*.model")))
   two_processes(root / "two", overrides)
   one_process(root / "one", overrides, devices=8)
@@ -129,11 +129,10 @@ def test_ppo_on_two_processes_matches_one_process(shared_data, tmp_path):
   """Rollouts are sampled from the same params with the same seed on every host, each host scores and updates its
   part: 2 processes x 4 devices log the iterations of 1 process x 8."""
   from lm_jax import config_lib
-  from lm_jax.data import tokenizer
   lines = tmp_path / "lines.txt"
   lines.write_text("".join((shared_data / "tiny_shakespeare" / "input.txt").read_text().splitlines(True)[:1000]))
   overrides = dict(PPO_OVERRIDES, **{"data.files": str(lines), "ppo.prompts": str(lines)})
-  tokenizer.load_or_train(config_lib.load(PPO[len("--config="):], overrides), str(tmp_path / "tok"))
+  run_tokenizer(config_lib.load(PPO[len("--config="):], overrides), str(tmp_path / "tok"))
   overrides["data.tokenizer"] = str(next((tmp_path / "tok").glob("*.model")))
   two_processes(tmp_path / "two", overrides, PPO)
   one_process(tmp_path / "one", overrides, 8, PPO)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_tokenizer
 from lm_jax import config_lib, models, optim, params as params_lib, train
 from lm_jax.data import tokenizer as tokenizer_lib, windows
 
@@ -27,13 +27,13 @@ def text(shared_data):
 
 
 def test_char_tokenizer_round_trips_every_character(shared_data, text, tmp_path):
-  tok = tokenizer_lib.load_or_train(_config(shared_data), str(tmp_path))
+  tok = run_tokenizer(_config(shared_data), str(tmp_path))
   stoi = {ch: i for i, ch in enumerate(sorted(set(text)))}     # nanoGPT's prepare.py
   assert tok.vocab_size == len(stoi) == 65
   ids = tok.encode(text)
   assert len(ids) == CHARS and ids[:200] == [stoi[ch] for ch in text[:200]]
   assert tok.decode(ids) == text
-  again = tokenizer_lib.load(str(tmp_path / "tokenizer_char.json"), "gpt2")   # the workdir's saved vocabulary
+  again = tokenizer_lib.load(str(tmp_path / "tokenizer_char.json"), models.family("gpt2"))   # the workdir's saved vocabulary
   assert again.encode(text[-500:]) == ids[-500:]
   with pytest.raises(ValueError, match="not in its 65-character vocabulary"):
     tok.encode("café")

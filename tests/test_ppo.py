@@ -20,7 +20,7 @@ from lm_jax import checks, config_lib, models
 from lm_jax.data import instructions, tokenizer
 from lm_jax.obs import metrics_log
 from lm_jax.rlhf import ppo, ppo_math, rollout
-from conftest import REPO
+from conftest import REPO, run_tokenizer
 
 ITERATIONS = 20
 
@@ -161,7 +161,7 @@ def test_prompts_are_formatted_by_the_sft_template(overrides, tmp_path):
   config = config_lib.load("configs/rlhf/ppo.py:tiny", {**overrides, "ppo.prompts": str(tmp_path / "p_train.jsonl"),
                                                         "rlhf.files": str(tmp_path / "p_{split}.jsonl"),
                                                         "rlhf.template": "Human: {prompt}\n\nAssistant:"})
-  tok = tokenizer.load(overrides["data.tokenizer"], "gpt")
+  tok = tokenizer.load(overrides["data.tokenizer"], models.family("gpt"))
   examples = instructions.examples(config, "train", tok, "instruction")
   sft = [e.prompt.tolist() for e in examples.tokens(list(range(len(examples))))]
   assert instructions.prompts(config, tok) == [ids[-config.ppo.prompt_len:] for ids in sft]
@@ -228,7 +228,7 @@ def overrides(shared_data, tmp_path_factory) -> dict:
   text.write_text("".join((shared_data / "tiny_shakespeare" / "input.txt").read_text().splitlines(True)[:2000]))
   fields = {"data.files": str(text), "ppo.prompts": str(text), "total_steps": ITERATIONS, "checkpoint_every": 4,
             "model.num_layers": 1, "ppo.ptx_coef": 0.05, "data.seq_len": 32}   # PPO-ptx: its stream resumes too
-  tokenizer.load_or_train(config_lib.load("configs/rlhf/ppo.py:tiny", fields), str(workdir))
+  run_tokenizer(config_lib.load("configs/rlhf/ppo.py:tiny", fields), str(workdir))
   return {**fields, "data.tokenizer": str(next(workdir.glob("tokenizer_*.model")))}
 
 

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import same_batches, take
-from lm_jax import config_lib, objectives
-from lm_jax.data import pipeline, prepare, tokenizer
+from conftest import run_tokenizer, same_batches, take
+from lm_jax import config_lib, models, objectives
+from lm_jax.data import pipeline, prepare
 from lm_jax.data import rows as rows_lib
 
 CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
@@ -42,6 +42,10 @@ def _config(objective, corpus, **data):
   return c
 
 
+def _prepare(c, out, work, **kw) -> dict:
+  return prepare.prepare(c, objectives.get(c.objective), models.family(c.model), str(out), workdir=str(work), **kw)
+
+
 @pytest.fixture(scope="module")
 def prepared(corpus, tmp_path_factory):
   """Per objective: (config, tokenizer, work folder) with work/p1 prepared (tokens only); MLM + NSP also
@@ -50,13 +54,11 @@ def prepared(corpus, tmp_path_factory):
   for objective in CONFIGS:
     work = tmp_path_factory.mktemp(objective)
     c = _config(objective, corpus)
-    manifest = prepare.prepare(c, objectives.get(objective), str(work / "p1"), workdir=str(work), docs_per_shard=300,
-                               passes=0)
+    manifest = _prepare(c, work / "p1", work, docs_per_shard=300, passes=0)
     assert len(manifest["splits"]["train"]["shards"]) >= 3 and manifest["passes"] == 0
-    out[objective] = (c, tokenizer.load_or_train(c, str(work)), work)
+    out[objective] = (c, run_tokenizer(c, str(work)), work)
   c, _, work = out["mlm"]
-  manifest = prepare.prepare(_config("mlm", corpus, shards=2), objectives.get("mlm"), str(work / "rows"),
-                             workdir=str(work), docs_per_shard=300, passes=2)
+  manifest = _prepare(_config("mlm", corpus, shards=2), work / "rows", work, docs_per_shard=300, passes=2)
   assert manifest["passes"] == 2 and len(manifest["splits"]["train"]["rows"]["train"]["shards"]) >= 6
   return out
 
@@ -67,8 +69,7 @@ def _it(c, tok, **kw):
 
 def test_shards_and_rows_are_the_same_bytes_for_1_and_2_processes(prepared, corpus):
   _, _, work = prepared["mlm"]
-  prepare.prepare(_config("mlm", corpus, shards=2), objectives.get("mlm"), str(work / "p2"), workdir=str(work),
-                  processes=2, docs_per_shard=300, passes=2)
+  _prepare(_config("mlm", corpus, shards=2), work / "p2", work, processes=2, docs_per_shard=300, passes=2)
   one, two = sorted((work / "rows").rglob("*")), sorted((work / "p2").rglob("*"))
   assert [p.relative_to(work / "rows") for p in one] == [p.relative_to(work / "p2") for p in two]
   assert sum(p.name.startswith("rows-train-p001") for p in one) >= 3
@@ -214,8 +215,7 @@ def test_a_prepared_mixture_trains_as_on_the_fly(prepared, corpus, objective, pa
   mix.data.mixture = (dict(name="a", files=c.data.files, weight=1.0),
                       dict(name="b", files=c.data.files, train_split="train[:50%]", weight=2.0))
   out = work / f"mixture{passes}"
-  manifest = prepare.prepare(mix, objectives.get(objective), str(out), workdir=str(work), docs_per_shard=300,
-                             passes=passes)
+  manifest = _prepare(mix, out, work, docs_per_shard=300, passes=passes)
   assert list(manifest["sources"]) == ["a", "b"] and (out / "b" / "manifest.json").exists()
   ready = _config(objective, corpus, prepared=str(out))
   ready.data.files, ready.data.mixture = "", mix.data.mixture

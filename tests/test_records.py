@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from lm_jax import config_lib, defaults, objectives
+from lm_jax import config_lib, defaults, models, objectives
 from lm_jax.data import corpus, instructions, pipeline, records, sources, tasks, tfds_prepare
 from lm_jax.data import tokenizer as tokenizer_lib
 
@@ -165,8 +165,8 @@ def test_a_bad_prompt_is_counted_and_named_and_no_usable_prompt_is_an_error(tmp_
 
 def test_the_pipeline_names_bad_records_in_its_warning_and_errors(tmp_path, caplog):
   lines = ["alpha beta gamma delta epsilon zeta eta theta"] * 40
-  (tmp_path / "tok.model").write_bytes(tokenizer_lib.train(lines, family="gpt", vocab_size=64))
-  tok = tokenizer_lib.load(str(tmp_path / "tok.model"), "gpt")
+  (tmp_path / "tok.model").write_bytes(tokenizer_lib.train(lines, family=models.family("gpt"), vocab_size=64))
+  tok = tokenizer_lib.load(str(tmp_path / "tok.model"), models.family("gpt"))
   (tmp_path / "train.jsonl").write_text("\n".join([f'{{"text": "{lines[0]}"}}'] * 30 + ["oops"]) + "\n")
   c = config_lib.load("configs/gpt1.py:tiny", {"data.files": str(tmp_path / "{split}.jsonl"), "data.seq_len": 16,
                                                "batch_size": 4, "model.vocab_size": 64})

@@ -158,21 +158,21 @@ def two_tokenizers(tmp_path_factory, shared_data):
   out = tmp_path_factory.mktemp("tokenizers")
   lines = (shared_data / "tiny_shakespeare" / "input.txt").read_text().splitlines()
   for name, part in (("a", lines[:3000]), ("b", lines[3000:6000])):
-    (out / f"{name}.model").write_bytes(tokenizer_lib.train(part, family="gpt", vocab_size=64))
+    (out / f"{name}.model").write_bytes(tokenizer_lib.train(part, family=models.family("gpt"), vocab_size=64))
   shutil.copy(out / "a.model", out / "a_copy.model")
-  a, b = (tokenizer_lib.load(str(out / f"{n}.model"), "gpt") for n in "ab")
+  a, b = (tokenizer_lib.load(str(out / f"{n}.model"), models.family("gpt")) for n in "ab")
   assert a.vocab_size == b.vocab_size
   return out
 
 
 def test_tokenizers_of_the_same_size_are_compared_piece_by_piece(two_tokenizers):
   out = two_tokenizers
-  a = tokenizer_lib.load(str(out / "a.model"), "gpt")
-  tokenizer_lib.check_same(a, str(out / "a_copy.model"), "gpt", "x", "y")
+  a = tokenizer_lib.load(str(out / "a.model"), models.family("gpt"))
+  tokenizer_lib.check_same(a, str(out / "a_copy.model"), "x", "y")
   with pytest.raises(ValueError, match=rf"^config.ppo.reward_from='/rm': its tokenizer {out}/b.model is not the "
                                        rf"policy's {out}/a.model \(\d+ of 64 ids differ; id \d+ is '.*' in one, '.*' "
                                        r"in the other\); both models must use one tokenizer$"):
-    tokenizer_lib.check_same(a, str(out / "b.model"), "gpt", "config.ppo.reward_from='/rm'", "the policy's")
+    tokenizer_lib.check_same(a, str(out / "b.model"), "config.ppo.reward_from='/rm'", "the policy's")
 
 
 def test_init_from_and_the_reward_model_need_the_runs_tokenizer(two_tokenizers, tmp_path, monkeypatch):
@@ -190,7 +190,7 @@ def test_init_from_and_the_reward_model_need_the_runs_tokenizer(two_tokenizers, 
   (tmp_path / "rm" / "checkpoints").mkdir(parents=True)    # a reward model's workdir with tokenizer a
   rm = config_lib.load("configs/rlhf/reward.py:tiny", {"model.vocab_size": c.model.vocab_size}).model
   monkeypatch.setattr(init_from, "source_model", lambda path: (rm, str(out / "a.model")))
-  policy = tokenizer_lib.load(str(out / "b.model"), "gpt")
+  policy = tokenizer_lib.load(str(out / "b.model"), models.family("gpt"))
   with pytest.raises(ValueError, match=rf"^config.ppo.reward_from='{tmp_path}/rm': its tokenizer {out}/a.model is "
                                        rf"not the policy's {out}/b.model"):
     ppo._reward_model(config_lib.override(c, {"ppo.reward_from": str(tmp_path / "rm")}), policy)

@@ -24,8 +24,8 @@ def toy(tmp_path_factory):
   out = tmp_path_factory.mktemp("toy")
   paths = toy_tasks.write_toy(str(out), train=1000, dev=100, tasks=("reverse",), length=(4, 4))
   lines = [json.loads(l)["text"] for name in os.listdir(out) for l in open(out / name)]
-  (out / "toy.model").write_bytes(tokenizer_lib.train(lines, family="gpt", vocab_size=64))
-  tok = tokenizer_lib.load(str(out / "toy.model"), "gpt")
+  (out / "toy.model").write_bytes(tokenizer_lib.train(lines, family=models.family("gpt"), vocab_size=64))
+  tok = tokenizer_lib.load(str(out / "toy.model"), models.family("gpt"))
   return dict(paths, dir=out, tokenizer=str(out / "toy.model"), tok=tok)
 
 
@@ -125,7 +125,7 @@ def test_sft_t5_encodes_prompt_and_decodes_response(toy):
       "objective": "sft", "rlhf.files": toy["instruction"], "data.tokenizer": toy["tokenizer"], "data.seq_len": 16,
       "data.target_len": 8, "model.vocab_size": 256, "model.d_model": 32, "model.num_layers": 1,
       "model.num_heads": 2, "model.d_ff": 64})
-  tok = tokenizer_lib.load(toy["tokenizer"], "t5")
+  tok = tokenizer_lib.load(toy["tokenizer"], models.family("t5"))
   examples, _ = _examples(c, tok, "train", "instruction")
   rows = sft.encoder_decoder(examples[:4], 16, 8, tok.pad_id, 0)
   for i, ex in enumerate(examples[:4]):

@@ -6,6 +6,7 @@ import pytest
 
 from lm_jax import config_lib
 from lm_jax.data import records as records_lib, sources, tokenizer
+from conftest import run_tokenizer
 
 
 def _config(path, vocab=320):
@@ -81,7 +82,7 @@ def test_training_text_takes_max_chars_of_one_long_line(tmp_path):
 def test_tokenizer_learns_the_end_of_a_single_line_file(tmp_path):
   """SentencePiece skips sentences over 4192 bytes: a one-line corpus must reach it in pieces, all of it."""
   (tmp_path / "one.txt").write_text("alpha beta gamma delta " * 10_000 + "zebra quokka " * 500)
-  tok = tokenizer.load_or_train(_config(tmp_path / "one.txt", vocab=64), str(tmp_path / "work"))
+  tok = run_tokenizer(_config(tmp_path / "one.txt", vocab=64), str(tmp_path / "work"))
   ids = tok.encode("zebra quokka")
   assert tok.unk_id not in ids and tok.decode(ids) == "zebra quokka"
   assert "▁zebra" in tok._pieces and "▁quokka" in tok._pieces

@@ -14,6 +14,7 @@ from lm_jax import checkpoint, config_lib, decoding, init_from, models, objectiv
 from lm_jax.data import pipeline, tokenizer as tokenizer_lib
 from lm_jax.evals import predict, run_eval
 from lm_jax.objectives import text_to_text
+from conftest import run_tokenizer
 
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree")
 KEY = "sun"                    # the synthetic task: "find words: <4 words>" -> positive if KEY is among them
@@ -57,7 +58,7 @@ def tiny_config(data_dir, **overrides):
 def tokenizer_path(data, tmp_path_factory):
   """A SentencePiece T5 tokenizer trained once on the synthetic text."""
   workdir = tmp_path_factory.mktemp("t2t_tokenizer")
-  tokenizer_lib.load_or_train(tiny_config(data[0]), str(workdir))
+  run_tokenizer(tiny_config(data[0]), str(workdir))
   return str(next(workdir.glob("tokenizer_t5_*.model")))
 
 
@@ -66,7 +67,7 @@ def test_rows_hold_the_prefixed_input_and_the_label_word(tmp_path, tokenizer_pat
   to 0.2 (STS-B), a free-form text target and an unlabelled example; decoded back with the tokenizer."""
   (tmp_path / "dev.tsv").write_text("premise\thypothesis\tlabel\tscore\n"
                                     "the cat sat\ta dog ran\tcontradiction\t3.73\nred moon\tblue sun\t\t\n")
-  tok = tokenizer_lib.load(tokenizer_path, "t5")
+  tok = tokenizer_lib.load(tokenizer_path, models.family("t5"))
   nli = {"task.files": str(tmp_path / "{split}.tsv"), "task.text_fields": ("hypothesis", "premise"),
          "task.field_names": (), "task.label_field": "label", "task.prefix": "mnli", "task.label_names": (),
          "data.eval_split": "dev", "batch_size": 4, "data.seq_len": 48, "data.target_len": 16}
@@ -99,7 +100,7 @@ def test_loss_and_choice_match_a_hand_computation(data, tokenizer_path):
   """loss / token metrics / exact match from models.apply by hand; the label-word scores equal decoding.score's
   log-probabilities, and the eval accuracy and predictions are their argmax."""
   c = tiny_config(data[0], **{"data.tokenizer": tokenizer_path, "batch_size": 8, "data.eval_split": "test"})
-  tok = tokenizer_lib.load(tokenizer_path, "t5")
+  tok = tokenizer_lib.load(tokenizer_path, models.family("t5"))
   objective = objectives.get("text_to_text")
   batch = next(iter(pipeline.make_eval_iterator(c, tok, objective)))
   params = models.init(c.model, jax.random.key(3))
@@ -150,7 +151,7 @@ def test_tiny_t5_learns_a_synthetic_task(data, tokenizer_path, tmp_path):
   assert metrics["test_accuracy"] >= 0.95 and metrics["test_exact_match"] >= 0.95 and metrics["test_f1"] >= 0.9, metrics
 
   free = tiny_config(path, **{"data.tokenizer": tokenizer_path, "task.label_names": (), "model.num_labels": 0})
-  tok = tokenizer_lib.load(tokenizer_path, "t5")
+  tok = tokenizer_lib.load(tokenizer_path, models.family("t5"))
   got = text_to_text.generate_texts(free, jax.device_get(result["state"]["params"]), tok, "test",
                                      decoding.generate)
   assert got["target"] == truth and got["exact_match"] >= 0.95, got

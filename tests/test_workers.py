@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from conftest import same_batches, take
+from conftest import run_tokenizer, same_batches, take
 from lm_jax import config_lib, objectives
-from lm_jax.data import pipeline, tokenizer, workers
+from lm_jax.data import pipeline, workers
 
 CONFIGS = {"clm": "configs/gpt1.py:tiny", "mlm": "configs/bert.py:tiny", "span_corruption": "configs/t5.py:tiny"}
 
@@ -29,7 +29,7 @@ def test_two_workers_give_the_batches_of_one(corpus, tmp_path, objective):
   c.data.files, c.data.train_split, c.data.eval_split = str(corpus / "{split}.jsonl"), "train", "valid"
   c.data.tokenizer_type, c.data.seq_len, c.data.max_predictions_per_seq = "bpe", 64, 10
   c.data.nsp, c.batch_size = objective == "mlm", 8
-  tok = tokenizer.load_or_train(c, str(tmp_path))
+  tok = run_tokenizer(c, str(tmp_path))
   objective_ = objectives.get(objective)
   one = pipeline.make_train_iterator(c, tok, objective_, window_rows=18, prefetch=0)
   reference = take(one, 12)

@@ -28,7 +28,7 @@ def gpt(shared_data):
   SentencePiece tokenizer trained on SST-2 sentences."""
   with open(shared_data / "sst2" / "train.tsv", encoding="utf-8") as f:
     lines = [line.split("\t")[0] for line in f][:2000]
-  tok = tokenizer_lib._sentencepiece(tokenizer_lib.train(lines, family="gpt", vocab_size=VOCAB), "gpt")
+  tok = tokenizer_lib._sentencepiece(tokenizer_lib.train(lines, family=models.family("gpt"), vocab_size=VOCAB), models.family("gpt"))
   m = defaults.model_defaults("gpt")
   m.update(vocab_size=VOCAB, d_model=32, num_layers=1, num_heads=2, d_ff=128, max_positions=POSITIONS,
            layer_norm_eps=1e-5, dropout_rate=0.0, attention_dropout_rate=0.0)

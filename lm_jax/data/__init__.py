@@ -4,7 +4,7 @@ text (sources; several mixed by weight: mixture), task examples (tasks), instruc
 (instructions); tokenizers, and the input pipeline that feeds each objective, tokenizing on the fly (in worker
 processes: workers.py) or reading shards tokenized once (prepare.py, prepared.py).
 
-tokenizer.load_or_train(config, workdir) -> Tokenizer
+tokenizer.load_or_train(config, workdir, family) -> Tokenizer   (family: lm_jax.models.family(config.model), handed in)
 pipeline.make_train_iterator / make_eval_iterator(config, tokenizer, objective, process_index=, process_count=)
 rows.Stream / rows.PerDocument: the two row layouts an objective chooses from
 input_rate.plan(config, tokens_per_second, hosts): the input a planned step needs, beside this pipeline's rate

@@ -31,18 +31,19 @@ DOCS_PER_SHARD = 8192
 PASSES = 10         # epochs of MLM + NSP rows written ahead: BERT's dupe_factor
 
 
-def prepare(config, objective, out: str, *, workdir: str = "", processes: int = 1,
+def prepare(config, objective, family, out: str, *, workdir: str = "", processes: int = 1,
             docs_per_shard: int = DOCS_PER_SHARD, passes: int = PASSES) -> dict:
   """Writes out/manifest.json and the shards of config.data's train and eval splits for `objective` (its rows say
-  whether documents are kept as sentences); for a layout whose rows are drawn per document (MLM + NSP) also
-  `passes` epochs of finished rows (0: tokens only, rows built on the fly). A mixture's sources are prepared each
-  in out/<name>, and out/manifest.json lists them. Returns the manifest."""
+  whether documents are kept as sentences), tokenized by the run's tokenizer for `family` (the models' record of
+  config.model.family); for a layout whose rows are drawn per document (MLM + NSP) also `passes` epochs of finished
+  rows (0: tokens only, rows built on the fly). A mixture's sources are prepared each in out/<name>, and
+  out/manifest.json lists them. Returns the manifest."""
   config_lib.require(not config.data.prepared, "config.data.prepared: prepare reads the corpus itself; clear it")
   config_lib.require(processes >= 1 and docs_per_shard >= 1 and passes >= 0, f"--processes={processes} and "
                      f"--docs_per_shard={docs_per_shard} must be >= 1, --passes={passes} >= 0")
   workdir = workdir or out
   _OPEN.clear()
-  tok = tokenizer.load_or_train(config, workdir)
+  tok = tokenizer.load_or_train(config, workdir, family)
   layout = objective.rows(config, tok)
   config_lib.require(not getattr(layout, "corpus", None), f"objective {config.objective!r} reads task examples "
                      "(config.task), which are not prepared; train it on the fly")
@@ -50,7 +51,7 @@ def prepare(config, objective, out: str, *, workdir: str = "", processes: int = 
   mixture = mixture_lib.sources(config)
   with multiprocessing.get_context("spawn").Pool(processes) if processes > 1 else contextlib.nullcontext() as pool:
     run = functools.partial(pool.map, chunksize=1) if pool else lambda f, jobs: [f(job) for job in jobs]
-    job = dict(config=config, objective=objective, workdir=workdir, as_sentences=layout.as_sentences)
+    job = dict(config=config, objective=objective, family=family, workdir=workdir, as_sentences=layout.as_sentences)
     if mixture:
       made = {s.name: _prepare(dict(job, out=os.path.join(out, s.name), source=s), tok, docs_per_shard, passes, run)
               for s in mixture}
@@ -105,7 +106,7 @@ def _write_shard(job):
   config, workdir, split, source, ids = job["config"], job["workdir"], job["split"], job["source"], job["ids"]
   key = ("docs", workdir, split, source)
   if key not in _OPEN:
-    _OPEN[key] = sources.documents(config, split, source), tokenizer.load_or_train(config, workdir)
+    _OPEN[key] = sources.documents(config, split, source), tokenizer.load_or_train(config, workdir, job["family"])
   docs, tok = _OPEN[key]
   with _writer(job["path"]) as writer:
     for start in range(ids.start, ids.stop, corpus_lib.DOCS_PER_CALL):
@@ -121,7 +122,7 @@ def _write_rows(job):
   config, source, role, p = job["config"], job["source"], job["role"], job["p"]
   key = ("rows", job["workdir"], job["out"], job["split"], role)
   if key not in _OPEN:
-    tok = tokenizer.load_or_train(config, job["workdir"])
+    tok = tokenizer.load_or_train(config, job["workdir"], job["family"])
     objective = job["objective"]
     corpus = prepared.PreparedCorpus(job["out"], job["split"], job["meta"], as_sentences=True)
     layout, d = objective.rows(config, tok), config.data

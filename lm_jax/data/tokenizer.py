@@ -1,6 +1,7 @@
 """Tokenizers: SentencePiece (trained here or loaded), Hugging Face (`tokenizers`) and characters behind one interface.
 
-Special ids per family (what the objectives need; each family's `Tokens` record, lm_jax/models/registry.py):
+Special ids per family (what the objectives need; each family's `Tokens` record, lm_jax/models/registry.py). The
+caller hands in the family record (`lm_jax.models.family(name)`): data/ never looks a family up itself.
   bert:      [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4
   gpt, gpt2: <pad>=0 </s>=1 (eos, appended to every document) <unk>=2
   t5:        <pad>=0 </s>=1 <unk>=2, and 100 sentinels <extra_id_k> above the SentencePiece pieces:
@@ -20,7 +21,6 @@ import tempfile
 import numpy as np
 from etils import epath
 
-from lm_jax import models as model_lib
 from lm_jax import storage
 from lm_jax.data import sources, windows
 
@@ -37,9 +37,11 @@ _NAMES = {  # special role -> piece names used by SentencePiece models and HF to
 class Tokenizer:
   """Text <-> ids plus the special ids a model family needs (None where the family has none)."""
 
-  def __init__(self, *, pieces, encode_batch, decode, specials, word_start, sentinels=None, serialized=None, path=""):
+  def __init__(self, *, pieces, encode_batch, decode, specials, word_start, sentinels=None, serialized=None, path="",
+               family=None):
     self._pieces = pieces
     self.path = path                          # the file (or directory) it was read from
+    self.family = family                      # the Family record it was checked against (load(path, family) again)
     self.serialized = serialized              # the SentencePiece model proto (bytes) or tokenizer.json (str)
     self._encode_batch = encode_batch
     self._decode = decode
@@ -106,17 +108,17 @@ def differences(a: Tokenizer, b: Tokenizer) -> str:
   return out + (f"; id {differ[0]} is {x[differ[0]]!r} in one, {y[differ[0]]!r} in the other" if differ else "")
 
 
-def check_same(tokenizer: Tokenizer, other_path: str, family: str, what: str, whose: str):
+def check_same(tokenizer: Tokenizer, other_path: str, what: str, whose: str):
   """One-line ValueError when the tokenizer at other_path (that of `what`, e.g. the reward model) is not `tokenizer`
   (`whose`, e.g. the policy's): ids would mean other pieces in the two models."""
-  other = load(other_path, family)
+  other = load(other_path, tokenizer.family)
   diff = differences(tokenizer, other)
   if diff:
     raise ValueError(f"{what}: its tokenizer {other.path} is not {whose} {tokenizer.path} ({diff}); both models "
                      "must use one tokenizer")
 
 
-def _sentencepiece(proto: bytes, family: str, path: str = "", fix: str = "pass an intact one") -> Tokenizer:
+def _sentencepiece(proto: bytes, family, path: str = "", fix: str = "pass an intact one") -> Tokenizer:
   """A SentencePiece model; a damaged file (truncated, overwritten) is a one-line ValueError naming it and `fix`."""
   import sentencepiece as spm
   try:
@@ -133,14 +135,14 @@ def _sentencepiece(proto: bytes, family: str, path: str = "", fix: str = "pass a
     specials["pad_id"] = sp.pad_id()
   if sp.eos_id() >= 0:
     specials["eos_id"] = sp.eos_id()
-  sentinels = len(pieces) + NUM_SENTINELS - 1 if model_lib.family(family).tokens.sentinels else None
+  sentinels = len(pieces) + NUM_SENTINELS - 1 if family.tokens.sentinels else None
   _check_family(specials, family, "SentencePiece model")
   return Tokenizer(pieces=pieces, encode_batch=lambda t: sp.encode(t, num_threads=min(len(t) // 16 + 1, os.cpu_count() or 1)),
                    decode=sp.decode, specials=specials, word_start=lambda p: p.startswith("▁"),
-                   sentinels=sentinels, serialized=proto, path=path)
+                   sentinels=sentinels, serialized=proto, path=path, family=family)
 
 
-def _huggingface(path: pathlib.Path, family: str) -> Tokenizer:
+def _huggingface(path: pathlib.Path, family) -> Tokenizer:
   """A Hugging Face tokenizer: tokenizer.json, or a WordPiece vocab.txt (+ tokenizer_config.json)."""
   import tokenizers
   folder = path if path.is_dir() else path.parent
@@ -170,17 +172,17 @@ def _huggingface(path: pathlib.Path, family: str) -> Tokenizer:
     word_start = lambda p: p.startswith("Ġ")
   else:
     word_start = lambda p: p.startswith("▁")
-  needs_sentinels = model_lib.family(family).tokens.sentinels
+  needs_sentinels = family.tokens.sentinels
   sentinels = vocab.get("<extra_id_0>") if needs_sentinels else None
   if needs_sentinels and sentinels is None:
-    raise ValueError(f"tokenizer {path}: a {family} tokenizer needs <extra_id_0..99> tokens")
+    raise ValueError(f"tokenizer {path}: a {family.name} tokenizer needs <extra_id_0..99> tokens")
   _check_family(specials, family, str(path))
   encode = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
   return Tokenizer(pieces=pieces, encode_batch=encode, decode=tok.decode, specials=specials,
-                   word_start=word_start, sentinels=sentinels, serialized=tok.to_str(), path=str(path))
+                   word_start=word_start, sentinels=sentinels, serialized=tok.to_str(), path=str(path), family=family)
 
 
-def _chars(chars: str, path: str = "") -> Tokenizer:
+def _chars(chars: str, path: str = "", family=None) -> Tokenizer:
   """One id per character of `chars` (sorted, distinct); pad_id 0 pads decoding's prompts, nothing is an eos."""
   index = {ch: i for i, ch in enumerate(chars)}
 
@@ -196,7 +198,7 @@ def _chars(chars: str, path: str = "") -> Tokenizer:
 
   return Tokenizer(pieces=list(chars), encode_batch=encode, decode=lambda ids: "".join(chars[i] for i in ids),
                    specials={"pad_id": 0}, word_start=lambda p: not p.strip(),
-                   serialized=json.dumps({"chars": chars}), path=path)
+                   serialized=json.dumps({"chars": chars}), path=path, family=family)
 
 
 def char_vocabulary(texts) -> str:
@@ -209,17 +211,18 @@ def _read_json(path: pathlib.Path) -> dict:
 
 
 def _check_family(specials, family, what):
-  missing = [r[:-3] for r in model_lib.family(family).tokens.required if specials.get(r) is None]
+  missing = [r[:-3] for r in family.tokens.required if specials.get(r) is None]
   if missing:
-    raise ValueError(f"{what}: no {', '.join(missing)} token, which family {family!r} needs")
+    raise ValueError(f"{what}: no {', '.join(missing)} token, which family {family.name!r} needs")
 
 
 _HF_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def load(path: str, family: str) -> Tokenizer:
+def load(path: str, family) -> Tokenizer:
   """A SentencePiece .model, or a Hugging Face tokenizer.json / vocab.txt / checkpoint directory; local or remote
-  (gs://...: its tokenizer files are read from a local copy, and .path stays the URL)."""
+  (gs://...: its tokenizer files are read from a local copy, and .path stays the URL); checked against `family` (a
+  lm_jax.models Family record: the special tokens its objectives need)."""
   if storage.is_remote(path):
     return _load_remote(str(path).rstrip("/"), family)
   p = pathlib.Path(path).expanduser()
@@ -233,11 +236,11 @@ def load(path: str, family: str) -> Tokenizer:
   if p.suffix == ".model":
     return _sentencepiece(p.read_bytes(), family, str(p))
   if p.name.startswith("tokenizer_char") and p.suffix == ".json":
-    return _chars(json.loads(p.read_text())["chars"], str(p))
+    return _chars(json.loads(p.read_text())["chars"], str(p), family)
   return _huggingface(p, family)
 
 
-def _load_remote(url: str, family: str) -> Tokenizer:
+def _load_remote(url: str, family) -> Tokenizer:
   """load() of a URL: a .model's bytes are read directly; the HF readers take local files, so the tokenizer files of
   the folder (not its weights) are copied to a temporary one, and errors name the URL."""
   if not storage.exists(url):
@@ -260,7 +263,7 @@ def _load_remote(url: str, family: str) -> Tokenizer:
   return tok
 
 
-def train(lines, *, family: str, vocab_size: int, model_type: str = "unigram") -> bytes:
+def train(lines, *, family, vocab_size: int, model_type: str = "unigram") -> bytes:
   """Serialized SentencePiece model trained on `lines` (deterministic for the same lines); lines of any
   length (each is cut into sentences SentencePiece keeps)."""
   import sentencepiece as spm
@@ -271,7 +274,7 @@ def train(lines, *, family: str, vocab_size: int, model_type: str = "unigram") -
       sentence_iterator=(s for line in lines for s in spm_sentences(line)), model_writer=out,
       vocab_size=vocab_size, model_type=model_type, max_sentence_length=_MAX_SENTENCE_BYTES,
       hard_vocab_limit=False,       # a small corpus may not support the requested size: take what it has
-      num_threads=2, minloglevel=2, **model_lib.family(family).tokens.spm)
+      num_threads=2, minloglevel=2, **family.tokens.spm)
   return out.getvalue()
 
 
@@ -304,36 +307,37 @@ def _write(path: epath.Path, data: bytes):
   tmp.replace(path)
 
 
-def num_sentinels(family: str) -> int:
+def num_sentinels(family) -> int:
   """Model ids a family's tokenizer has beyond its vocab_size: T5's sentinels (Tokens.sentinels), else none."""
-  return NUM_SENTINELS if model_lib.family(family).tokens.sentinels else 0
+  return NUM_SENTINELS if family.tokens.sentinels else 0
 
 
-def spm_vocab_size(family: str, model_vocab_size: int) -> int:
+def spm_vocab_size(family, model_vocab_size: int) -> int:
   """SentencePiece size to train so the tokenizer fills the model vocab (T5 keeps 100 ids for sentinels)."""
   sentinels = num_sentinels(family)
   size = model_vocab_size - sentinels
   if size < 16:
-    raise ValueError(f"config.model.vocab_size={model_vocab_size} is too small for a {family} tokenizer"
+    raise ValueError(f"config.model.vocab_size={model_vocab_size} is too small for a {family.name} tokenizer"
                      + (f" plus {sentinels} sentinels" if sentinels else ""))
   return size
 
 
-def load_or_train(config, workdir: str) -> Tokenizer:
+def load_or_train(config, workdir: str, family) -> Tokenizer:
   """config.data.tokenizer if set; else a SentencePiece model trained on a sample of the training
-  text and cached in workdir (every host trains the same bytes, so nothing needs sharing)."""
-  family, vocab = config.model.family, config.model.vocab_size
+  text and cached in workdir (every host trains the same bytes, so nothing needs sharing). `family` is the record of
+  config.model.family."""
+  vocab = config.model.vocab_size
   if config.data.tokenizer:
     tok = load(config.data.tokenizer, family)
   elif config.data.tokenizer_type == "char":
     path = epath.Path(workdir) / "tokenizer_char.json"
     if not path.exists():
       _write(path, json.dumps({"chars": char_vocabulary(windows.split_texts(config))}).encode())
-    tok = _chars(json.loads(path.read_text())["chars"], str(path))
+    tok = _chars(json.loads(path.read_text())["chars"], str(path), family)
   else:
     size = spm_vocab_size(family, vocab)
     kind = config.data.tokenizer_type
-    path = epath.Path(workdir) / f"tokenizer_{family}_{kind}_{size}.model"   # epath: gs:// workdirs too
+    path = epath.Path(workdir) / f"tokenizer_{family.name}_{kind}_{size}.model"   # epath: gs:// workdirs too
     if not path.exists():
       _write(path, train(sources.training_text(config, _TRAIN_CHARS), family=family, vocab_size=size,
                          model_type=kind))

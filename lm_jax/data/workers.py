@@ -17,8 +17,8 @@ _TOKENIZER = None            # in a worker: the run's tokenizer
 class Workers:
   """tokenize(texts, as_sentences) over `n` processes; with n = 1, or a few texts, in this process."""
 
-  def __init__(self, tok, family: str, n: int):
-    self._tok, self._family, self.n = tok, family, n
+  def __init__(self, tok, n: int):
+    self._tok, self.n = tok, n
 
   def tokenize(self, texts: list, as_sentences: bool) -> list:
     if self.n <= 1 or len(texts) < 2 * self.n:
@@ -28,13 +28,13 @@ class Workers:
     return [entry for part in self._pool().map(_tokenize, parts, chunksize=1) for entry in part]
 
   def _pool(self):
-    key = (self._tok.path, self._family, self.n)
+    key = (self._tok.path, self._tok.family.name, self.n)
     if key not in _POOLS:
-      _POOLS[key] = multiprocessing.get_context("spawn").Pool(self.n, _start, (self._tok.path, self._family))
+      _POOLS[key] = multiprocessing.get_context("spawn").Pool(self.n, _start, (self._tok.path, self._tok.family))
     return _POOLS[key]
 
 
-def _start(path: str, family: str):
+def _start(path: str, family):
   global _TOKENIZER
   _TOKENIZER = tokenizer_lib.load(path, family)
 

@@ -52,7 +52,7 @@ def _params(init_from: str, model_cfg):
 def load(init_from: str):
   """(model config in the looped layout, params, tokenizer) of a BERT checkpoint: an HF directory or a workdir."""
   model_cfg, tokenizer_path = _model(init_from)
-  return model_cfg, _params(init_from, model_cfg), tokenizer_lib.load(tokenizer_path, model_cfg.family)
+  return model_cfg, _params(init_from, model_cfg), tokenizer_lib.load(tokenizer_path, models.family(model_cfg))
 
 
 def _layers(model_cfg, layer: int, last4: bool) -> tuple:
@@ -153,7 +153,7 @@ def run(init_from: str, *, files: str = "", tfds_name: str = "", text_fields=("0
   chosen = _layers(model_cfg, layer, last4)
   if seq_len > model_cfg.max_positions:
     raise config_lib.ConfigError(f"--seq_len={seq_len} exceeds the model's max_positions={model_cfg.max_positions}")
-  tokenizer = tokenizer_lib.load(tokenizer_path, model_cfg.family)
+  tokenizer = tokenizer_lib.load(tokenizer_path, models.family(model_cfg))
   corpora = [tasks.examples(task, split, tokenizer) for split in splits]   # a missing split stops here
   params = _params(init_from, model_cfg)
   data = {}

@@ -50,7 +50,7 @@ def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer 
     config.update(bos_token_id=tokenizer.eos_id, eos_token_id=tokenizer.eos_id)   # GPT-2: bos = eos = end of text
   tensors = mod.to_hf(model_cfg, params)
   if tokenizer is not None:   # first: a tokenizer that does not fit stops the export before any file is written
-    need = tokenizer.vocab_size + tokenizer_lib.num_sentinels(fam.name)
+    need = tokenizer.vocab_size + tokenizer_lib.num_sentinels(fam)
     if need > model_cfg.vocab_size:
       raise ValueError(f"the tokenizer has {need} ids, more than the model's vocab_size={model_cfg.vocab_size}")
     hf_tokenizer.save(tokenizer, fam.name, out_dir,   # relative positions (T5) have no length limit
@@ -193,7 +193,7 @@ def load_hf_tokenizer(path: str) -> tokenizer_lib.Tokenizer:
   if not glob.glob(os.path.join(path, "*.model")) and not any(
       os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "vocab.txt")):
     raise FileNotFoundError(f"{path} has no tokenizer.json, vocab.txt or *.model (exported without a tokenizer?)")
-  return tokenizer_lib.load(path, family)
+  return tokenizer_lib.load(path, models.family(family))
 
 
 def _local(path: str) -> str:

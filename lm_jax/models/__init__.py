@@ -15,36 +15,17 @@ import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from lm_jax.models import attention, bert, gpt, gpt2, layers, t5
-from lm_jax.models.registry import LAYOUTS, Family
+from lm_jax.models.registry import LAYOUTS, Family, family, names, register
 from lm_jax.models.variables import ADAPTERS, adapter, check_plain, of_params
 
 REFERENCE = "reference"   # the params subtree of a model.frozen_reference copy
 _SIZES = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff")   # every family's positive integers
-_FAMILIES: dict[str, Family] = {}
-
-
-def register(record: Family) -> Family:
-  """Makes `record` available as model.family=record.name."""
-  _FAMILIES[record.name] = record
-  return record
 
 
 register(bert.FAMILY)
 register(gpt.FAMILY)
 register(t5.FAMILY)
 register(gpt2.FAMILY)
-
-
-def names() -> list[str]:
-  return sorted(_FAMILIES)
-
-
-def family(model_cfg_or_name) -> Family:
-  """The Family record of a model config or a family name; a one-line ValueError for an unknown one."""
-  name = getattr(model_cfg_or_name, "family", model_cfg_or_name)
-  if name not in _FAMILIES:
-    raise ValueError(f"unknown model.family {name!r}; known: {', '.join(names())}")
-  return _FAMILIES[name]
 
 
 def validate(model_cfg) -> None:

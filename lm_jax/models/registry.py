@@ -46,3 +46,29 @@ class Family:
   def __post_init__(self):
     if self.layout not in LAYOUTS:
       raise ValueError(f"family {self.name!r}: layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+
+  def __reduce__(self):
+    """Pickled as its name, read back from the registry (importing lm_jax.models registers every family): a
+    tokenizing worker process gets the family its tokenizer is checked against, whose functions may be lambdas."""
+    return family, (self.name,)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(record: Family) -> Family:
+  """Makes `record` available as model.family=record.name."""
+  _FAMILIES[record.name] = record
+  return record
+
+
+def names() -> list[str]:
+  return sorted(_FAMILIES)
+
+
+def family(model_cfg_or_name) -> Family:
+  """The Family record of a model config or a family name; a one-line ValueError for an unknown one."""
+  name = getattr(model_cfg_or_name, "family", model_cfg_or_name)
+  if name not in _FAMILIES:
+    raise ValueError(f"unknown model.family {name!r}; known: {', '.join(names())}")
+  return _FAMILIES[name]

@@ -75,8 +75,7 @@ def _reward_model(config, tokenizer):
   if model.vocab_size != m.vocab_size:
     raise ValueError(f"config.ppo.reward_from={p.reward_from!r} has vocab_size {model.vocab_size}, the policy "
                      f"{m.vocab_size}: train the reward model from the policy's SFT workdir")
-  tokenizer_lib.check_same(tokenizer, reward_tokenizer, m.family, f"config.ppo.reward_from={p.reward_from!r}",
-                           "the policy's")
+  tokenizer_lib.check_same(tokenizer, reward_tokenizer, f"config.ppo.reward_from={p.reward_from!r}", "the policy's")
   with model.unlocked():
     model.update({k: m[k] for k in (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers")})
   return model

@@ -15,7 +15,7 @@ import pathlib
 import sys
 import time
 
-from lm_jax import config_lib, flops, objectives, train
+from lm_jax import config_lib, flops, models, objectives, train
 from lm_jax.data import tokenizer
 from lm_jax.obs import metrics_log
 
@@ -55,7 +55,7 @@ def matmul_params(m):
 
 def shared_tokenizer(config, workdir):
   """Train the tokenizer once into workdir and point every run at it."""
-  tokenizer.load_or_train(config, workdir)
+  tokenizer.load_or_train(config, workdir, models.family(config.model))
   config.data.tokenizer = sorted(glob.glob(os.path.join(workdir, "tokenizer_*.model")))[0]
 
 
