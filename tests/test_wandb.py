@@ -74,3 +74,38 @@ def test_bad_wandb_mode_is_one_line_naming_the_field(shared_data):
   config = load_config("clm", shared_data, **{"wandb.mode": "offlne"})
   with pytest.raises(config_lib.ConfigError, match=r"^config.wandb.mode='offlne' unknown; use online, offline"):
     checks.validate(config, 1)
+
+
+def test_wandb_failing_mid_run_is_one_warning_and_training_goes_on(shared_data, tmp_path, monkeypatch, capsys):
+  """W&B's log raising at the third record (a network gone mid-run): one warning line, no traceback, every record
+  still in metrics.jsonl, and W&B holds the two records logged before."""
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  start = wandb_log.start
+
+  def failing_later(config, workdir):
+    run, calls = start(config, workdir), []
+    log = run.log
+
+    def log_until_third(record):
+      calls.append(record)
+      if len(calls) == 3:
+        raise ConnectionError("Network is unreachable\nmore lines")
+      log(record)
+
+    monkeypatch.setattr(run, "log", log_until_third)
+    return run, calls
+
+  runs = []
+  monkeypatch.setattr(wandb_log, "start", lambda *a: runs.append(failing_later(*a)) or runs[-1][0])
+  train.train(load_config("clm", shared_data, total_steps=10, log_every=2, checkpoint_every=10,
+                          **{"wandb.project": "lm_jax_test"}), str(tmp_path))
+  [(run, calls)] = runs
+  run.finish()   # the run stopped using it; W&B's own process writes what it got
+  err = capsys.readouterr().err
+  warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+  assert warnings == ["warning: W&B stopped (ConnectionError: Network is unreachable); training goes on without it"]
+  assert "Traceback" not in err
+  records = metrics_log.read(tmp_path / "metrics.jsonl")
+  assert [r["step"] for r in records if "loss" in r] == [1, 2, 4, 6, 8, 10] and len(calls) == 3
+  [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
+  assert _offline_run(run_dir)["history"] == records[:2]
