@@ -37,8 +37,8 @@ _NAMES = {  # special role -> piece names used by SentencePiece models and HF to
 class Tokenizer:
   """Text <-> ids plus the special ids a model family needs (None where the family has none)."""
 
-  def __init__(self, *, pieces, encode_batch, decode, specials, word_start, sentinels=None, serialized=None, path="",
-               family=None):
+  def __init__(self, *, pieces, encode_batch, decode, specials, word_start, family, sentinels=None, serialized=None,
+               path=""):
     self._pieces = pieces
     self.path = path                          # the file (or directory) it was read from
     self.family = family                      # the Family record it was checked against (load(path, family) again)
@@ -182,7 +182,7 @@ def _huggingface(path: pathlib.Path, family) -> Tokenizer:
                    word_start=word_start, sentinels=sentinels, serialized=tok.to_str(), path=str(path), family=family)
 
 
-def _chars(chars: str, path: str = "", family=None) -> Tokenizer:
+def _chars(chars: str, path: str, family) -> Tokenizer:
   """One id per character of `chars` (sorted, distinct); pad_id 0 pads decoding's prompts, nothing is an eos."""
   index = {ch: i for i, ch in enumerate(chars)}
 
