@@ -88,21 +88,21 @@ def test_lock_is_renewed_and_a_stale_one_replaced(gcs_server, monkeypatch):
   """A renewed lock keeps a second holder out past STALE_S; an unrenewed one is replaced; a dead pid of this host
   frees it at once."""
   from lm_jax import workdir_lock
-  monkeypatch.setattr(workdir_lock, "RENEW_S", 0.2)
-  monkeypatch.setattr(workdir_lock, "STALE_S", 1.0)
+  monkeypatch.setattr(workdir_lock, "RENEW_S", 0.5)   # margins for a loaded 2-core CI machine
+  monkeypatch.setattr(workdir_lock, "STALE_S", 3.0)
   with workdir_lock.hold("gs://testbucket/renewed"):
-    time.sleep(1.5)
+    time.sleep(4.0)
     with pytest.raises(workdir_lock.WorkdirInUse, match="in use by the run of pid"):
       workdir_lock.hold("gs://testbucket/renewed").__enter__()
   blob = storage.gcs_blob("gs://testbucket/stale/run.lock")
   blob.upload_from_string(json.dumps({"host": "elsewhere", "pid": 1, "started": "then"}))
-  time.sleep(1.2)
+  time.sleep(3.2)
   with workdir_lock.hold("gs://testbucket/stale"):
     assert json.loads(blob.download_as_text())["pid"] == os.getpid()
   monkeypatch.setattr(workdir_lock, "STALE_S", 300.0)
-  blob = storage.gcs_blob("gs://testbucket/killed/run.lock")
+  blob = storage.gcs_blob("gs://testbucket/dead_pid/run.lock")
   blob.upload_from_string(json.dumps({"host": socket.gethostname(), "pid": _exited_pid(), "started": "then"}))
-  with workdir_lock.hold("gs://testbucket/killed"):
+  with workdir_lock.hold("gs://testbucket/dead_pid"):
     assert json.loads(blob.download_as_text())["pid"] == os.getpid()
 
 
