@@ -183,6 +183,19 @@ def test_damaged_newest_step_falls_back_to_the_previous_one(damage, cause, small
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3", "6"]
 
 
+def test_a_damaged_step_on_the_console_is_one_warning_line(small_run, shared_data, tmp_path):
+  """The command line as a user meets it: orbax's reads abandoned by the failed one each print a 30-line traceback
+  when collected (500 lines for this tiny model; under pytest its own hook takes them, so the test above cannot
+  see them). Six steps after the fallback give the collector its chance."""
+  workdir = _copy(small_run, tmp_path)
+  _truncate_largest_state_file(workdir / "checkpoints" / "6")
+  p = cli(*flags("clm", shared_data, **{**SMALL, "total_steps": 12}), f"--workdir={workdir}")
+  assert p.returncode == 0, p.stderr[-3000:]
+  [warning] = p.stderr.splitlines()
+  assert warning.startswith(f"warning: checkpoint step 6 in {workdir}/checkpoints unreadable (6/state: ValueError")
+  assert "resumed step 3" in p.stdout and "step 12/12" in p.stdout
+
+
 def test_no_readable_checkpoint_is_one_line_naming_the_directory(small_run, shared_data, tmp_path):
   workdir = _copy(small_run, tmp_path)
   _empty_data_state(workdir / "checkpoints" / "6")
