@@ -146,7 +146,7 @@ def run(s: Schedules, step: Callable, state, start: int, end: int) -> tuple[obje
           s.save(i, state)
       result["step"] = i
       if stop:
-        say(f"SIGTERM: saved {unit} {i}, exiting")
+        say(f"{preemption.signal_name or 'a stop on another host'}: saved {unit} {i}, exiting")
         break
   if profiler.tracing:   # the run ended inside the profiled range
     jax.block_until_ready(state)
@@ -207,25 +207,32 @@ def session(workdir: str, s, ledger: goodput.Ledger | None = None):
 
 
 class Preemption:
-  """SIGTERM (a preemption notice) sets a flag; the trainer saves after the current step and exits 0."""
+  """SIGTERM (a preemption notice) or a first Ctrl-C (SIGINT) sets a flag; the trainer saves after the current step
+  and exits 0. A second Ctrl-C interrupts at once (KeyboardInterrupt). Without this, Ctrl-C raised wherever the
+  interpreter was, and inside JAX's garbage-collection callback it was swallowed: the run went on."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
-    self.requested, self._previous = False, None
+    self.requested, self.signal_name, self._previous = False, "", {}
 
   def __enter__(self):
     try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
     except ValueError:  # not the main thread: leave signals alone
       pass
     return self
 
   def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
+    del frame
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, self._previous[signal.SIGINT])   # the next Ctrl-C interrupts at once
+      print("\nCtrl-C: saving after this step, then exiting (Ctrl-C again to stop without saving)", flush=True)
+    self.requested, self.signal_name = True, self.signal_name or signal.Signals(signum).name
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for s, previous in self._previous.items():
+      signal.signal(s, previous)
 
   def any_process(self) -> bool:
     """Whether any host received SIGTERM (all hosts must stop at the same step)."""

@@ -97,6 +97,20 @@ def test_sigterm_and_kill_resume_exactly(shared_data, tmp_path):
     np.testing.assert_array_equal(x, y, err_msg=msg)
 
 
+def test_ctrl_c_saves_and_exits_as_sigterm_does(shared_data, tmp_path):
+  """A first Ctrl-C (SIGINT) saves after the current step and exits 0. Before, the KeyboardInterrupt rose wherever
+  the interpreter was; inside JAX's garbage-collection callback it was swallowed and the run went on."""
+  workdir = tmp_path / "w"
+  run = _start(workdir, shared_data)
+  _wait_for_step(run, workdir, 20)
+  run.send_signal(signal.SIGINT)
+  code, out = _output(run, workdir)
+  assert code == 0 and "Traceback" not in out, out[-3000:]
+  assert "Ctrl-C: saving after this step" in out
+  saved = int(out.split("SIGINT: saved step ")[1].split(",")[0])
+  assert 20 <= saved < STEPS and (workdir / "checkpoints" / str(saved)).is_dir()
+
+
 def test_non_finite_loss_is_never_saved(shared_data, tmp_path, monkeypatch):
   make = train.compile_train_step
 
