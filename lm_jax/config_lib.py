@@ -191,10 +191,15 @@ def parse_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 def user_errors():
   """Inside, a user's mistake exits with one line `error: ...` on stderr: 2 for a ConfigError or absl
   UsageError; 1 for a ValueError, FloatingPointError or OSError raised by lm_jax (data, checkpoints, a diverged
-  run, a full disk, a workdir in use) or a file that cannot be found, read or written. Anything else is a bug and
-  keeps its traceback, as does every error with LM_JAX_TRACEBACK=1."""
+  run, a full disk, a workdir in use) or a file that cannot be found, read or written; Ctrl-C exits 130 with
+  `interrupted`. Anything else is a bug and keeps its traceback, as does every error with LM_JAX_TRACEBACK=1."""
   try:
     yield
+  except KeyboardInterrupt:   # in training, only a second Ctrl-C (lm_jax.loop.Preemption: the first one saves)
+    if os.environ.get("LM_JAX_TRACEBACK") == "1":
+      raise
+    print("interrupted", file=sys.stderr, flush=True)
+    sys.exit(130)
   except Exception as e:  # re-raised unless it is the user's
     code = _exit_code(e)
     if code is None or os.environ.get("LM_JAX_TRACEBACK") == "1":

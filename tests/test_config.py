@@ -137,6 +137,15 @@ def test_user_errors_print_one_line_and_exit(make, code, capsys):
   assert capsys.readouterr().err == f"error: {make()}\n"
 
 
+def test_ctrl_c_outside_training_is_one_line(capsys, monkeypatch):
+  with pytest.raises(SystemExit) as info, config_lib.user_errors():
+    raise KeyboardInterrupt
+  assert info.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+  monkeypatch.setenv("LM_JAX_TRACEBACK", "1")
+  with pytest.raises(KeyboardInterrupt), config_lib.user_errors():
+    raise KeyboardInterrupt
+
+
 def test_user_errors_keep_tracebacks_for_bugs(capsys, monkeypatch):
   with pytest.raises(SystemExit) as info, config_lib.user_errors():
     objectives.get("lm")  # a ValueError raised by lm_jax: the user's
