@@ -7,6 +7,7 @@ config) or 1 (data, checkpoints, files); see lm_jax.config_lib.user_errors. --mo
 or for an objective that trains on its own rollouts (Objective.rollouts: PPO) lm_jax.rlhf.ppo.train, which builds on
 lm_jax.train (main -> rlhf -> train -> objectives; nothing below main imports rlhf).
 """
+import os
 import sys
 
 from lm_jax import malloc
@@ -120,6 +121,8 @@ def _run(config, mode):
     return
   if not _WORKDIR.value:
     raise app.UsageError(f"--workdir is required for --mode={mode}")
+  if os.path.isfile(_WORKDIR.value):
+    raise app.UsageError(f"--workdir={_WORKDIR.value} is a file; a workdir is a directory")
   from lm_jax import checkpoint, distributed, workdir_lock
   distributed.maybe_initialize()
   checkpoint.bound_storage_retries(config.storage_retry_s)

@@ -127,6 +127,12 @@ def test_flags_of_another_mode_or_target_exit_2_writing_nothing(run, tmp_path, a
   assert not (tmp_path / "new").exists()
 
 
+def test_a_workdir_that_is_a_file_exits_2_naming_it(run, tmp_path):
+  (tmp_path / "notes.txt").write_text("mine")
+  one_line(cli(*run[1], f"--workdir={tmp_path / 'notes.txt'}"), 2, "--workdir=", "notes.txt is a file")
+  assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 # ------------------------------------------------------------------------------- the environment, the start, records
 @pytest.mark.parametrize("env, words", [
     ({"WANDB_MODE": "onlin"}, ["WANDB_MODE='onlin'", "online, offline or disabled"]),
