@@ -48,10 +48,24 @@ def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Checkpoi
   # otherwise meet at the same orbax barrier and fail ('Barrier ... is already ongoing').
   key = hashlib.sha1(str(directory(workdir)).encode()).hexdigest()[:12]
   barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=key)
+  if not read_only and "://" in workdir and distributed.is_lead():
+    _remove_unfinished_steps(directory(workdir))
   return _listing(lambda: ocp.CheckpointManager(
       directory(workdir), item_handlers=handlers,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                            cleanup_tmp_directories=not read_only, multiprocessing_options=barriers)))
+
+
+def _remove_unfinished_steps(folder: epath.Path):
+  """A bucket has no atomic rename, so orbax marks a finished step with commit_success.txt, and a run stopped mid-save
+  leaves the step's folder without it. orbax lists only finished steps, but its own cleanup leaves such a folder, and
+  the resumed run's save of that step number then failed ('Checkpoint directory does not exist: .../80/state')."""
+  if not folder.exists():
+    return
+  for step in folder.iterdir():
+    if step.name.isdigit() and not (step / "commit_success.txt").exists():
+      metrics_log.warn(f"removing {step}: a save that never finished")
+      step.rmtree()
 
 
 def bound_storage_retries(seconds: float):

@@ -217,6 +217,20 @@ def test_a_server_gone_mid_run_is_one_line_and_the_last_checkpoint_survives(shar
   assert re.search(r"resumed step (20|40|60) from gs://testbucket/k/checkpoints", resumed.stdout), resumed.stdout
 
 
+def test_a_step_whose_save_never_finished_is_removed_at_start(gcs_server, capsys):
+  """A bucket step folder without orbax's commit_success.txt (a run stopped mid-save) is removed when a run opens the
+  checkpoints, so its resumed save of that step number starts clean; a finished step stays, a reader removes nothing."""
+  from lm_jax import checkpoint
+  root = "gs://testbucket/partial/checkpoints"
+  for name in ("3/commit_success.txt", "3/state/x", "6/config/x", "6/data/x"):
+    storage.gcs_blob(f"{root}/{name}").upload_from_string("x")
+  checkpoint.manager("gs://testbucket/partial", 2, read_only=True)
+  assert storage.exists(f"{root}/6/config/x")
+  checkpoint.manager("gs://testbucket/partial", 2)
+  assert storage.exists(f"{root}/3/state/x") and not storage.exists(f"{root}/6/config/x")
+  assert f"warning: removing {root}/6: a save that never finished" in capsys.readouterr().err
+
+
 def _wait_for(path: pathlib.Path, text: str, timeout_s: float) -> bool:
   """Whether `text` appears in the file within timeout_s."""
   deadline = time.monotonic() + timeout_s

@@ -77,8 +77,8 @@ def test_bad_wandb_mode_is_one_line_naming_the_field(shared_data):
 
 
 def test_wandb_failing_mid_run_is_one_warning_and_training_goes_on(shared_data, tmp_path, monkeypatch, capsys):
-  """W&B's log raising at the third record (a network gone mid-run): one warning line, no traceback, every record
-  still in metrics.jsonl, and W&B holds the two records logged before."""
+  """W&B's log raising at the third record (a network gone mid-run): one warning line, no traceback, W&B never called
+  again, and every record still in metrics.jsonl."""
   monkeypatch.setenv("WANDB_MODE", "offline")
   start = wandb_log.start
 
@@ -107,5 +107,3 @@ def test_wandb_failing_mid_run_is_one_warning_and_training_goes_on(shared_data, 
   assert "Traceback" not in err
   records = metrics_log.read(tmp_path / "metrics.jsonl")
   assert [r["step"] for r in records if "loss" in r] == [1, 2, 4, 6, 8, 10] and len(calls) == 3
-  [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
-  assert _offline_run(run_dir)["history"] == records[:2]
