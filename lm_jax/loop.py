@@ -227,7 +227,7 @@ class Preemption:
     del frame
     if signum == signal.SIGINT:
       signal.signal(signal.SIGINT, self._previous[signal.SIGINT])   # the next Ctrl-C interrupts at once
-      print("\nCtrl-C: saving after this step, then exiting (Ctrl-C again to stop without saving)", flush=True)
+      say("\nCtrl-C: saving after this step, then exiting (Ctrl-C again to stop without saving)")
     self.requested, self.signal_name = True, self.signal_name or signal.Signals(signum).name
 
   def __exit__(self, *exc):
@@ -235,7 +235,7 @@ class Preemption:
       signal.signal(s, previous)
 
   def any_process(self) -> bool:
-    """Whether any host received SIGTERM (all hosts must stop at the same step)."""
+    """Whether any host received SIGTERM or Ctrl-C (all hosts must stop at the same step)."""
     if jax.process_count() == 1:
       return self.requested
     return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))

@@ -48,7 +48,7 @@ class _QuietLibraries(logging.Filter):
     return record.levelno >= logging.WARNING or "/jax/" not in record.pathname
 
 
-def _drop_closed_loop_errors(previous, unraisable):
+def _drop_orbax_leftovers(previous, unraisable):
   """orbax's read of a damaged checkpoint abandons its other reads: once lm_jax.checkpoint has reported the failed
   read in one line, each abandoned read coroutine prints a 30-line traceback when collected (500 lines for a tiny
   model), and TensorStore callbacks aimed at the closed asyncio loop print 'Event loop is closed'."""
@@ -63,8 +63,8 @@ def quiet_libraries():
   for target in (absl_logging.get_absl_handler(), logging.getLogger("absl")):  # the logger: also without app.run
     if not any(isinstance(f, _QuietLibraries) for f in target.filters):
       target.addFilter(quiet)
-  if getattr(sys.unraisablehook, "func", None) is not _drop_closed_loop_errors:
-    sys.unraisablehook = functools.partial(_drop_closed_loop_errors, sys.unraisablehook)
+  if getattr(sys.unraisablehook, "func", None) is not _drop_orbax_leftovers:
+    sys.unraisablehook = functools.partial(_drop_orbax_leftovers, sys.unraisablehook)
 
 
 def read(path) -> list[dict]:
