@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from lm_jax import distributed, params as params_lib
+from lm_jax import distributed, params as params_lib, storage
 from lm_jax.data import mixture
 from lm_jax.obs import metrics_log
 
@@ -60,12 +60,31 @@ def _remove_unfinished_steps(folder: epath.Path):
   """A bucket has no atomic rename, so orbax marks a finished step with commit_success.txt, and a run stopped mid-save
   leaves the step's folder without it. orbax lists only finished steps, but its own cleanup leaves such a folder, and
   the resumed run's save of that step number then failed ('Checkpoint directory does not exist: .../80/state')."""
-  if not folder.exists():
-    return
-  for step in folder.iterdir():
-    if step.name.isdigit() and not (step / "commit_success.txt").exists():
-      metrics_log.warn(f"removing {step}: a save that never finished")
-      step.rmtree()
+  for step, urls in sorted(_remote_steps(folder).items()):
+    if f"{folder}/{step}/commit_success.txt" not in urls:
+      metrics_log.warn(f"removing {folder}/{step}: a save that never finished")
+      storage.remove(urls)
+
+
+def _finished_steps(folder) -> list[int]:
+  return sorted(s for s, urls in _remote_steps(folder).items() if f"{folder}/{s}/commit_success.txt" in urls)
+
+
+def _remote_steps(folder) -> dict[int, list[str]]:
+  """step -> the URLs of its files in a remote checkpoints folder, from a listing that raises when it fails. epath's
+  exists() answers False on any error, and orbax takes a folder it cannot list for one without steps: a resumed run
+  then started over from step 0 and, keeping few checkpoints, deleted the ones it could not see."""
+  try:
+    urls = storage.find(str(folder))
+  except Exception as e:  # noqa: BLE001  (gcsfs and the server raise several classes)
+    raise storage.StorageError(f"cannot list the checkpoints in {folder}: {storage.describe(e)}; not starting "
+                               "over them (try again when the storage answers)") from None
+  steps = {}
+  for url in urls:
+    step = url[len(str(folder)) + 1:].partition("/")[0]
+    if step.isdigit():
+      steps.setdefault(int(step), []).append(url)
+  return steps
 
 
 def bound_storage_retries(seconds: float):
@@ -245,6 +264,9 @@ def restore_latest(mngr, abstract_state, shardings, config, *, with_data: bool) 
   if failed:
     raise FileNotFoundError(f"no readable checkpoint in {mngr.directory} ({next(iter(failed.values()))}); "
                             + _advice(mngr, failed))
+  if storage.is_remote(mngr.directory) and (finished := _finished_steps(mngr.directory)):
+    raise storage.StorageError(f"listing {mngr.directory} failed: orbax found no step, the storage holds the finished "
+                               f"steps {', '.join(map(str, sorted(finished)))}; not starting over them (try again)")
   return None
 
 

@@ -116,6 +116,8 @@ def start_gcs(data: pathlib.Path, port: int, root: pathlib.Path | None = None) -
   """fake-gcs-server on localhost:port, each folder of `data` a bucket; in memory, or kept under `root` (a restarted
   server then has the objects of the last one)."""
   backend = ["-backend", "filesystem", "-filesystem-root", str(root)] if root else ["-backend", "memory"]
+  if root and root.exists():
+    drop_torn_uploads(root)
   proc = subprocess.Popen([str(gcs_binary()), "-scheme", "http", "-port", str(port), *backend, "-data", str(data),
                            "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   for _ in range(100):
@@ -126,6 +128,15 @@ def start_gcs(data: pathlib.Path, port: int, root: pathlib.Path | None = None) -
       time.sleep(0.1)
   proc.kill()
   pytest.fail(f"fake-gcs-server did not answer on port {port}")
+
+
+def drop_torn_uploads(root: pathlib.Path):
+  """Removes the files a killed server was writing: it stores an object's metadata in an extended attribute set
+  after the bytes, a file without it fails every listing of its folder, and on GCS an upload that did not finish is
+  no object at all."""
+  for f in root.rglob("*"):
+    if f.is_file() and f.suffix != ".bucketMetadata" and "user.metadata" not in os.listxattr(f):
+      f.unlink()
 
 
 def gcs_env(port: int) -> dict:

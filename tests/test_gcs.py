@@ -213,7 +213,7 @@ def test_a_server_gone_mid_run_is_one_line_and_the_last_checkpoint_survives(shar
   finally:
     server.kill()
     server.wait()
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert resumed.returncode == 0, resumed.stdout[-1500:] + resumed.stderr[-3000:]
   assert re.search(r"resumed step (20|40|60) from gs://testbucket/k/checkpoints", resumed.stdout), resumed.stdout
 
 
@@ -229,6 +229,38 @@ def test_a_step_whose_save_never_finished_is_removed_at_start(gcs_server, capsys
   checkpoint.manager("gs://testbucket/partial", 2)
   assert storage.exists(f"{root}/3/state/x") and not storage.exists(f"{root}/6/config/x")
   assert f"warning: removing {root}/6: a save that never finished" in capsys.readouterr().err
+
+
+def test_a_failed_listing_never_starts_the_run_over(tmp_path, monkeypatch):
+  """A checkpoints folder the storage fails to list is an error, not an empty folder: epath's exists() says False on
+  any error, orbax then lists no step, and the run started over from step 0 (seen when a killed server left a file
+  that failed every listing of its folder). At the manager's start and when orbax's own listing comes back empty."""
+  from lm_jax import checkpoint
+  (tmp_path / "data" / "testbucket").mkdir(parents=True)
+  port, root = free_port(), tmp_path / "root"
+  server = start_gcs(tmp_path / "data", port, root)
+  import gcsfs
+  for k, v in gcs_env(port).items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setattr(storage, "_CLIENT", None)   # the clients of this server, not the session's
+  gcsfs.GCSFileSystem.clear_instance_cache()
+  try:
+    folder = "gs://testbucket/t/checkpoints"
+    for name in ("3/commit_success.txt", "3/state/x"):
+      storage.gcs_blob(f"{folder}/{name}").upload_from_string("x")
+    mngr = checkpoint.manager("gs://testbucket/t", 2, read_only=True)
+    (root / "testbucket/t/checkpoints/3/state/torn").write_bytes(b"cut off")   # no metadata: its listings fail
+    with pytest.raises(storage.StorageError, match=f"^cannot list the checkpoints in {folder}: .*; not starting over"):
+      checkpoint.manager("gs://testbucket/t", 2)
+    os.unlink(root / "testbucket/t/checkpoints/3/state/torn")
+    mngr.all_steps = lambda: []      # orbax's listing failing a moment after ours succeeds
+    with pytest.raises(storage.StorageError, match=f"^listing {folder} failed: orbax found no step, the storage "
+                                                   "holds the finished steps 3; not starting over them"):
+      checkpoint.restore_latest(mngr, None, None, None, with_data=False)
+  finally:
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    server.kill()
+    server.wait()
 
 
 def _wait_for(path: pathlib.Path, text: str, timeout_s: float) -> bool:

@@ -12,7 +12,7 @@ class Objective:
   name: str
   layouts: tuple          # the model layouts it trains (lm_jax.models.LAYOUTS)
   check: Callable         # config -> None, or a one-line ValueError naming the field
-  lengths: Callable       # config -> Lengths
+  lengths: Callable[..., Lengths]  # config -> its sequence lengths
   rows: Callable          # (config, tokenizer) -> data.rows.Stream | data.rows.PerDocument
   transform: Callable     # (config, tokenizer) -> fn(rows dict, np.random.Generator) -> batch features
   features: Callable      # config -> {name: (per-example shape, numpy dtype)}
