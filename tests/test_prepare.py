@@ -189,6 +189,12 @@ def test_a_mismatched_prepared_folder_is_one_line(prepared, corpus, tmp_path):
   other = _config("clm", corpus, prepared=str(work / "p1"))
   with pytest.raises(config_lib.ConfigError, match=r"prepared for tokenizer="):
     _it(other, prepared["clm"][1], prefetch=0)
+  remote = _config("mlm", corpus, prepared="gs://bucket/prepared")
+  with pytest.raises(config_lib.ConfigError, match=r"^config.data.prepared=gs://bucket/prepared: prepared shards are "
+                     r"read by index from a local path; mount the bucket \(gcsfuse\) or copy"):
+    _it(remote, tok, prefetch=0)
+  with pytest.raises(config_lib.ConfigError, match=r"^--out=gs://bucket/p: prepared shards are read by index"):
+    prepare.prepare(_config("mlm", corpus), objectives.get("mlm"), models.family(c.model), "gs://bucket/p")
 
 
 def test_the_command_line(prepared, tmp_path):

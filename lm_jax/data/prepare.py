@@ -39,6 +39,7 @@ def prepare(config, objective, family, out: str, *, workdir: str = "", processes
   rows (0: tokens only, rows built on the fly). A mixture's sources are prepared each in out/<name>, and
   out/manifest.json lists them. Returns the manifest."""
   config_lib.require(not config.data.prepared, "config.data.prepared: prepare reads the corpus itself; clear it")
+  out = prepared.local_folder(out, "--out")
   config_lib.require(processes >= 1 and docs_per_shard >= 1 and passes >= 0, f"--processes={processes} and "
                      f"--docs_per_shard={docs_per_shard} must be >= 1, --passes={passes} >= 0")
   workdir = workdir or out

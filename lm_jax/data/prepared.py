@@ -33,7 +33,7 @@ import struct
 
 import numpy as np
 
-from lm_jax import config_lib
+from lm_jax import config_lib, storage
 from lm_jax.data import records, spill
 from lm_jax.data import rows as rows_lib
 
@@ -211,10 +211,18 @@ def rows_layout(width: int, features: dict):
                               real_tokens=lambda row: int(row["attention_mask"].sum()))
 
 
+def local_folder(path: str, what: str) -> str:
+  """`path` expanded; a remote one is a one-line error. The shards are array_record files, read by index through a
+  local file system: a bucket is mounted (gcsfuse, as MaxText's ArrayRecord input does) or copied to each host."""
+  config_lib.require(not storage.is_remote(path), f"{what}={path}: prepared shards are read by index from a local "
+                     "path; mount the bucket (gcsfuse) or copy the folder to each host, and name that path")
+  return os.path.expanduser(path)
+
+
 def manifest(config, source=None) -> dict:
   """config.data.prepared's manifest.json (a mixture's: the one of `source`, in its folder <name>)."""
   name = f"{source.name}/{MANIFEST}" if source else MANIFEST
-  path = os.path.join(os.path.expanduser(config.data.prepared), name)
+  path = os.path.join(local_folder(config.data.prepared, "config.data.prepared"), name)
   config_lib.require(os.path.exists(path), f"config.data.prepared={config.data.prepared}: no {name} there; "
                      "write it with python -m lm_jax.prepare")
   with open(path) as f:
