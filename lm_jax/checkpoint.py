@@ -266,7 +266,7 @@ def restore_latest(mngr, abstract_state, shardings, config, *, with_data: bool) 
                             + _advice(mngr, failed))
   if storage.is_remote(mngr.directory) and (finished := _finished_steps(mngr.directory)):
     raise storage.StorageError(f"listing {mngr.directory} failed: orbax found no step, the storage holds the finished "
-                               f"steps {', '.join(map(str, sorted(finished)))}; not starting over them (try again)")
+                               f"steps {', '.join(map(str, finished))}; not starting over them (try again)")
   return None
 
 
