@@ -8,7 +8,9 @@ mesh's shardings, so a checkpoint written on one mesh loads onto another
 What real runs hit, each reported in one line: a complete step that cannot be read back (a file truncated
 or emptied by a full disk or an interrupted copy) is skipped for the newest readable one (restore_latest);
 a save that fails in the background (a full disk) stops the run at the next step (check_save), with the
-failed step's temporary folder removed and the previous steps untouched.
+failed step's temporary folder removed and the previous steps untouched. On a bucket (no rename) orbax marks a
+finished step with commit_success.txt instead: a step folder without it is removed when a run opens its checkpoints,
+and a checkpoints folder the storage fails to list stops the run rather than reading as empty.
 """
 import contextlib
 import hashlib
@@ -36,7 +38,7 @@ EVAL_DATA_FIELDS = ("eval_split", "eval_batches", "tfds_data_dir")
 
 def directory(workdir: str) -> epath.Path:
   """workdir/checkpoints (gs://... stays as it is)."""
-  return epath.Path(workdir if "://" in workdir else os.path.abspath(workdir)) / "checkpoints"
+  return epath.Path(workdir if storage.is_remote(workdir) else os.path.abspath(workdir)) / "checkpoints"
 
 
 def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.CheckpointManager:
@@ -48,7 +50,7 @@ def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Checkpoi
   # otherwise meet at the same orbax barrier and fail ('Barrier ... is already ongoing').
   key = hashlib.sha1(str(directory(workdir)).encode()).hexdigest()[:12]
   barriers = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=key)
-  if not read_only and "://" in workdir and distributed.is_lead():
+  if not read_only and storage.is_remote(workdir) and distributed.is_lead():
     _remove_unfinished_steps(directory(workdir))
   return _listing(lambda: ocp.CheckpointManager(
       directory(workdir), item_handlers=handlers,
@@ -61,13 +63,18 @@ def _remove_unfinished_steps(folder: epath.Path):
   leaves the step's folder without it. orbax lists only finished steps, but its own cleanup leaves such a folder, and
   the resumed run's save of that step number then failed ('Checkpoint directory does not exist: .../80/state')."""
   for step, urls in sorted(_remote_steps(folder).items()):
-    if f"{folder}/{step}/commit_success.txt" not in urls:
+    if not _is_finished(folder, step, urls):
       metrics_log.warn(f"removing {folder}/{step}: a save that never finished")
       storage.remove(urls)
 
 
 def _finished_steps(folder) -> list[int]:
-  return sorted(s for s, urls in _remote_steps(folder).items() if f"{folder}/{s}/commit_success.txt" in urls)
+  return sorted(s for s, urls in _remote_steps(folder).items() if _is_finished(folder, s, urls))
+
+
+def _is_finished(folder, step: int, urls: list[str]) -> bool:
+  """Whether orbax marked the step finished (its marker's name is a private constant of orbax's)."""
+  return f"{folder}/{step}/commit_success.txt" in urls
 
 
 def _remote_steps(folder) -> dict[int, list[str]]:
