@@ -24,7 +24,8 @@ own seed, as on the fly); DIR/manifest.json then lists them.
 
 DIR/manifest.json records what the shards were prepared for (tokenizer, seq_len, objective, masking, the source; for
 rows also the seed, data.shards and data.shuffle the pairs depend on); a config that differs is a one-line
-ConfigError.
+ConfigError. It also records each shard's size, checked at start: a missing, truncated or corrupt shard, or a torn
+manifest, is a one-line error naming the file (exit 1), also when a record fails to read later in the run.
 """
 import hashlib
 import json
@@ -126,6 +127,54 @@ def _counts(meta: dict) -> list[int]:
   return [min(per, n - k * per) for k in range(len(meta["shards"]))]
 
 
+_AGAIN = "prepare the folder again with python -m lm_jax.prepare"
+
+
+def _damaged(path: str, why: str) -> ValueError:
+  return ValueError(f"prepared shard {path} is damaged ({why}); {_AGAIN}")
+
+
+def _shards(folder: str, names: list[str], counts: list[int], sizes: list[int] | None) -> "_Shards":
+  """The shard files, checked at start against the sizes the manifest records (a manifest written before they
+  were recorded: only that they exist)."""
+  files = [os.path.join(folder, name) for name in names]
+  for k, path in enumerate(files):
+    if not os.path.isfile(path):
+      raise ValueError(f"prepared shard {path} is missing; {_AGAIN}")
+    size = os.path.getsize(path)
+    if sizes is not None and size != sizes[k]:
+      raise _damaged(path, f"{size} bytes, its manifest.json says {sizes[k]}")
+  return _Shards(files, counts)
+
+
+class _Shards(spill.Shards):
+  """Shards whose read errors name the shard: a shard holding other than the manifest's record count when first
+  opened, or a record that does not read (corrupt bytes of the right size)."""
+
+  def __init__(self, files: list[str], counts: list[int]):
+    super().__init__(files, counts)
+    self._counts = counts
+
+  def _reader(self, k: int):
+    first = self._readers[k] is None
+    try:
+      reader = super()._reader(k)
+      found = reader.num_records() if first else self._counts[k]
+    except (RuntimeError, OSError) as e:
+      raise _damaged(self._files[k], str(e).splitlines()[0][:200]) from None
+    if found != self._counts[k]:
+      self._readers[k] = None
+      raise _damaged(self._files[k], f"{found} records, its manifest.json says {self._counts[k]}")
+    return reader
+
+  def __getitem__(self, i: int) -> bytes:
+    try:
+      return super().__getitem__(i)
+    except RuntimeError as e:
+      k = int(np.searchsorted(self._starts, i, side="right")) - 1
+      raise _damaged(self._files[k], str(e).splitlines()[0][:200]) from None
+
+
 class _Docs(records.Records):
   """A prepared split as records (for the Tally): where(i) is where a skipped document was read."""
 
@@ -152,9 +201,8 @@ class PreparedCorpus:
   """A Corpus (data/corpus.py) read from prepared shards: tokens(ids) per id, the same tally and text counts."""
 
   def __init__(self, directory: str, split: str, meta: dict, as_sentences: bool):
-    files = [os.path.join(directory, split_dir(split), name) for name in meta["shards"]]
-    self.docs = _Docs(spill.Shards(files, _counts(meta)),
-                      meta["path"], meta["decode_stats"])
+    shards = _shards(os.path.join(directory, split_dir(split)), meta["shards"], _counts(meta), meta.get("shard_bytes"))
+    self.docs = _Docs(shards, meta["path"], meta["decode_stats"])
     self.path = self.docs.path
     self._empty = [] if as_sentences else np.zeros(0, np.int32)
     self._seen = np.zeros(len(self.docs), bool)
@@ -189,8 +237,8 @@ class PreparedRows(PreparedCorpus):
     super().__init__(directory, split, meta, as_sentences=True)
     made = meta["rows"][role]
     self.passes = made["passes"]
-    files = [os.path.join(directory, split_dir(split), name) for name in made["shards"]]
-    self._rows = spill.Shards(files, _counts(meta) * self.passes)
+    self._rows = _shards(os.path.join(directory, split_dir(split)), made["shards"], _counts(meta) * self.passes,
+                         made.get("shard_bytes"))
 
   def instances(self, epoch: int, doc: int) -> list:
     if not self._seen[doc]:
@@ -226,7 +274,13 @@ def manifest(config, source=None) -> dict:
   config_lib.require(os.path.exists(path), f"config.data.prepared={config.data.prepared}: no {name} there; "
                      "write it with python -m lm_jax.prepare")
   with open(path) as f:
-    return json.load(f)
+    try:
+      found = json.load(f)
+    except ValueError as e:
+      raise ValueError(f"{path} is not a complete manifest ({e}); {_AGAIN}") from None
+  if not isinstance(found, dict):
+    raise ValueError(f"{path} is not a prepared folder's manifest (JSON {type(found).__name__}); {_AGAIN}")
+  return found
 
 
 def passes(config, layout) -> int:
