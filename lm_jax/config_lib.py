@@ -46,15 +46,31 @@ def load(spec: str, overrides: Mapping | Iterable[str] = ()) -> ml_collections.C
   if file is None:
     places = " or ".join(sorted({os.getcwd(), str(REPO)}))
     raise ConfigError(f"config file {path!r} not found in {places}")
-  module_spec = importlib.util.spec_from_file_location(f"lm_jax_config_{file.stem}", file)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  get_config = _get_config(file)
   try:
-    config = module.get_config(variant) if variant else module.get_config()
+    config = get_config(variant) if variant else get_config()
   except ValueError as e:  # configs/*.py reject unknown variants with a ValueError naming the known ones
     raise ConfigError(str(e)) from e
+  require(isinstance(config, ml_collections.ConfigDict),
+          f"config file {str(file)!r}: get_config() returned {type(config).__name__}, not an ml_collections.ConfigDict")
   config.lock()
   return override(config, overrides)
+
+
+def _get_config(file: pathlib.Path):
+  """The get_config function of the config file; ConfigError naming the file (and line) when there is none: not a
+  .py file, a syntax error, no get_config."""
+  require(file.suffix == ".py", f"config file {str(file)!r} is not a Python file (.py) defining get_config()")
+  module_spec = importlib.util.spec_from_file_location(f"lm_jax_config_{file.stem}", file)
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+  except SyntaxError as e:   # a source that is not UTF-8 is one too
+    if e.filename != str(file):   # in a module the config imports: its traceback
+      raise
+    raise ConfigError(f"config file {str(file)!r} line {e.lineno}: {e.msg}") from None
+  require(callable(getattr(module, "get_config", None)), f"config file {str(file)!r} defines no get_config()")
+  return module.get_config
 
 
 def override(config: ml_collections.ConfigDict, overrides: Mapping | Iterable[str]) -> ml_collections.ConfigDict:

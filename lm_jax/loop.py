@@ -109,7 +109,7 @@ def run(s: Schedules, step: Callable, state, start: int, end: int) -> tuple[obje
   record, 'eval': last eval record})."""
   c, unit, ledger = s.config, s.unit, s.ledger
   result, meter = {"step": start, "train": None, "eval": None}, Meter(start, ledger)
-  profiler = profiling.Profiler(c, s.log.workdir)
+  profiler = profiling.Profiler(c, s.log.workdir, start)
   if start >= end:
     say(f"nothing to do: checkpoint {unit} {start} >= end {unit} {end}")
   with Preemption() as preemption:
@@ -207,11 +207,12 @@ def session(workdir: str, s, ledger: goodput.Ledger | None = None):
 
 
 class Preemption:
-  """SIGTERM (a preemption notice) or a first Ctrl-C (SIGINT) sets a flag; the trainer saves after the current step
-  and exits 0. A second Ctrl-C interrupts at once (KeyboardInterrupt). Without this, Ctrl-C raised wherever the
-  interpreter was, and inside JAX's garbage-collection callback it was swallowed: the run went on."""
+  """SIGTERM (a preemption notice), SIGHUP (the terminal or ssh session closed) or a first Ctrl-C (SIGINT) sets a
+  flag; the trainer saves after the current step and exits 0. A second Ctrl-C interrupts at once
+  (KeyboardInterrupt). Without this, Ctrl-C raised wherever the interpreter was, and inside JAX's garbage-collection
+  callback it was swallowed: the run went on; SIGHUP killed the run unsaved."""
 
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+  SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
   def __init__(self):
     self.requested, self.signal_name, self._previous = False, "", {}
@@ -235,7 +236,7 @@ class Preemption:
       signal.signal(s, previous)
 
   def any_process(self) -> bool:
-    """Whether any host received SIGTERM or Ctrl-C (all hosts must stop at the same step)."""
+    """Whether any host received SIGTERM, SIGHUP or Ctrl-C (all hosts must stop at the same step)."""
     if jax.process_count() == 1:
       return self.requested
     return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))

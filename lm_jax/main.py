@@ -83,6 +83,7 @@ def main(args):
     check_flags(_MODE.value)
     config = config_lib.load(_CONFIG.value, overrides)
     if _INIT_FROM.value:
+      check_init_from(config.init_from, overrides)
       config.init_from = _INIT_FROM.value
     _run(config, _MODE.value)
 
@@ -101,6 +102,14 @@ def check_flags(mode: str):
     raise app.UsageError(f"--plan_fits={_PLAN_FITS.value} must be at least 1")
 
 
+def check_init_from(config_value: str, overrides: list[str]):
+  """UsageError when --init_from and a --config.init_from on the same command line name different models (the flag
+  won silently); a config file's own init_from gives way to the flag."""
+  given = any(o.removeprefix("--config.").partition("=")[0] == "init_from" for o in overrides)
+  if given and os.path.abspath(config_value) != os.path.abspath(_INIT_FROM.value):
+    raise app.UsageError(f"--init_from={_INIT_FROM.value} and --config.init_from={config_value} differ; give one")
+
+
 def _run(config, mode):
   if mode == "summary":
     from lm_jax import summary
@@ -113,6 +122,7 @@ def _run(config, mode):
     topology.check_kernel(config.model.attention, _TOPOLOGY.value)   # a wrong name or kernel: before any compile
     topology.prepare()   # before JAX starts a backend
     from lm_jax.plan import aot, planner
+    aot.check_compiler(_TOPOLOGY.value)   # libtpu / the CUDA plugin: only .venv-aot has them (README)
     if _PLAN.value:
       planner.run(config, _TOPOLOGY.value, mfu=_MFU.value, json_path=_REPORT_JSON.value, keep=_PLAN_FITS.value,
                max_compiles=2 * _PLAN_FITS.value)

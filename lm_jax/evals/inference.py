@@ -19,6 +19,9 @@ _RANGES = {"max_new_tokens": (">= 1", lambda x: x >= 1), "temperature": ("> 0", 
 def read_prompts(prompts, prompts_file: str | None) -> list[str]:
   """--prompt values, then one prompt per non-empty line of --prompts_file (UTF-8 text)."""
   out = list(prompts or [])
+  if any(not text.strip() for text in out):
+    raise config_lib.ConfigError("--prompt is empty; give the text to continue (--mode=fill_mask: a text with "
+                                 "[MASK]s)")
   if prompts_file:
     try:
       with storage.open(prompts_file, "r", encoding="utf-8") as f:

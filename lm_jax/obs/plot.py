@@ -80,15 +80,43 @@ def figure(runs: dict[str, list[dict]]):
   return fig
 
 
+def out_path(out: str) -> pathlib.Path:
+  """The image --out names: an existing directory gets curves.png inside it (as `cp FILE DIR`); the format is the
+  extension's, one matplotlib writes (ValueError otherwise: matplotlib would add .png to a name without one)."""
+  path = pathlib.Path(out)
+  if path.is_dir():
+    path = path / "curves.png"
+  formats = Figure().canvas.get_supported_filetypes()
+  if path.suffix[1:].lower() not in formats:
+    raise ValueError(f"--out={out}: {f'unknown image format {path.suffix!r}' if path.suffix else 'no extension'}; "
+                     f"use one of {' '.join(f'.{f}' for f in sorted(formats))}")
+  return path
+
+
+def step_records(path) -> list[dict]:
+  """The records of a metrics.jsonl that have a numeric `step` (x-axis); one warning for those without."""
+  records = metrics_log.read(path)
+  kept = [r for r in records if isinstance(r.get("step"), (int, float)) and not isinstance(r["step"], bool)]
+  if len(kept) < len(records):
+    metrics_log.warn(f"{path}: {len(records) - len(kept)} record(s) without a numeric step skipped")
+  return kept
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(prog="python -m lm_jax.obs.plot", description=__doc__.split("\n\n")[0])
   parser.add_argument("workdirs", nargs="+", metavar="WORKDIR")
-  parser.add_argument("--out", default="curves.png", help="the PNG to write (default: ./curves.png)")
+  parser.add_argument("--out", default="curves.png", help="the image to write, its format from the extension (.png, "
+                      ".pdf, .svg, ...); a directory: DIR/curves.png (default: ./curves.png)")
   args = parser.parse_args(argv)
+  try:
+    out = out_path(args.out)
+  except ValueError as e:   # a flag's value: exit 2, as lm_jax.main's
+    print(f"lm_jax.obs.plot: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   runs = {}
   for workdir in args.workdirs:
     path = pathlib.Path(workdir) / "metrics.jsonl"
-    records = metrics_log.read(path)
+    records = step_records(path)
     if not records:
       sys.exit(f"lm_jax.obs.plot: no records in {path}")
     runs[workdir] = records
@@ -96,8 +124,11 @@ def main(argv=None):
     fig = figure(runs)
   except ValueError as e:
     sys.exit(f"lm_jax.obs.plot: {e} ({', '.join(args.workdirs)})")
-  fig.savefig(args.out, dpi=120)
-  print(f"wrote {args.out}")
+  try:
+    fig.savefig(out, dpi=120)
+  except OSError as e:
+    sys.exit(f"lm_jax.obs.plot: cannot write --out={out} ({e.strerror or e})")
+  print(f"wrote {out}")
 
 
 if __name__ == "__main__":

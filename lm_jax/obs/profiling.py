@@ -19,20 +19,29 @@ from lm_jax import distributed
 
 
 def check(config):
-  """One-line error for a bad config.profile.steps (checks.validate calls it before anything is built)."""
+  """One-line error for a bad config.profile.steps, or one that starts after the run's last step (it would trace
+  nothing, silently); checks.validate calls it before anything is built."""
   steps = tuple(config.profile.steps)
   if steps and not (len(steps) == 2 and all(isinstance(n, int) and n >= 1 for n in steps)):
     raise ValueError(f"config.profile.steps={steps!r}: want (first step, number of steps), both >= 1; () = off")
+  if steps and steps[0] > config.total_steps:
+    raise ValueError(f"config.profile.steps={steps!r} starts after the run's last step (total_steps="
+                     f"{config.total_steps}); profile steps 1..{config.total_steps}")
 
 
 class Profiler:
-  """Traces steps first .. first + count - 1 (config.profile.steps) of those this run executes."""
+  """Traces steps first .. first + count - 1 (config.profile.steps) of those this run executes (after `start`, the
+  step it resumed at: a range already run is a warning, not a silent nothing)."""
 
-  def __init__(self, config, workdir: str):
+  def __init__(self, config, workdir: str, start: int = 0):
     p = config.profile
     self.first, count = tuple(p.steps) or (0, 0)
     self.last = self.first + count - 1
     self.on = bool(count) and (p.all_processes or distributed.is_lead())
+    if self.on and self.last <= start:
+      self.on = False
+      print(f"warning: config.profile.steps={tuple(p.steps)!r}: steps {self.first}..{self.last} ran before this run "
+            f"resumed at step {start}; nothing is profiled", file=sys.stderr, flush=True)
     self.tracing = False
     self.dir = epath.Path(workdir) / "profile"
     self.options = jax.profiler.ProfileOptions()

@@ -24,11 +24,15 @@ ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")   # wha
 
 def check(config):
   """One-line errors for config.wandb and the W&B environment it meets (checks.validate calls it before anything
-  is built, the workdir included): an unknown mode, wandb missing, WANDB_MODE unknown, online without an API key."""
+  is built, the workdir included): an unknown mode, a mode that logs without a project (project '' is off: the run
+  would log nothing), wandb missing, WANDB_MODE unknown, online without an API key."""
   w = config.wandb
   if w.mode not in MODES:
     raise ValueError(f"config.wandb.mode={w.mode!r} unknown; use online, offline or disabled ('' = WANDB_MODE)")
   if not w.project:
+    if w.mode in ("online", "offline"):
+      raise ValueError(f"config.wandb.mode={w.mode!r} without config.wandb.project logs nothing (no project = W&B "
+                       "off): set --config.wandb.project=NAME")
     return
   if importlib.util.find_spec("wandb") is None:
     raise ValueError(f"config.wandb.project={w.project!r} needs wandb, which is not installed: pip install wandb")

@@ -15,14 +15,16 @@ lm_jax.plan.hardware's table, the MFU stated; communication is not modelled. The
 per host that step needs and how many cores this pipeline takes for it, on the fly and prepared
 (lm_jax.data.input_rate, from bench/data_throughput.py's cached measurement).
 """
+import importlib.util
 import json
 import re
+import sys
 
 import jax
 import numpy as np
 from flax import linen as nn
 
-from lm_jax import checks, init_from, layout as layout_lib, sharding, step
+from lm_jax import checks, config_lib, init_from, layout as layout_lib, sharding, step
 from lm_jax.data import input_rate
 from lm_jax.models import layers
 from lm_jax.plan import hardware, memory, topology
@@ -158,6 +160,22 @@ def format_report(r: dict) -> str:
       input_rate.describe(r["input"]),
   ]
   return "\n".join(lines)
+
+
+# The compilers --mode=compile needs, from requirements-aot.txt: {platform: (module, package)}.
+COMPILERS = {"tpu": ("libtpu", "libtpu"), "cuda": ("jax_plugins.xla_cuda12", "the compile-only CUDA plugin")}
+
+
+def check_compiler(topology_name: str):
+  """ConfigError (exit 2) naming the environment to use when this Python lacks the topology's compiler: JAX's own
+  error is a 25-line traceback saying 'TPU support not installed'."""
+  platform = "cuda" if topology.parse(topology_name)[0] in topology.GPUS else "tpu"
+  module, package = COMPILERS[platform]
+  if importlib.util.find_spec(module.partition(".")[0]) is None or importlib.util.find_spec(module) is None:
+    raise config_lib.ConfigError(
+        f"--mode=compile --topology={topology_name} needs {package}, which {sys.executable} lacks: run it with "
+        ".venv-aot/bin/python (README.md, Install: python -m venv .venv-aot && .venv-aot/bin/pip install "
+        "-r requirements.txt -r requirements-aot.txt)")
 
 
 def run(config, topology_name: str, mfu: float = 0.4, json_path: str = "") -> dict:

@@ -66,8 +66,6 @@ def _reward_model(config, tokenizer):
   """config.ppo.reward_from's model config (run with this run's runtime fields): decoder-only, num_labels = 1, and
   the policy's `tokenizer` (the same pieces at every id, not only as many)."""
   p, m = config.ppo, config.model
-  if not (epath.Path(p.reward_from) / "checkpoints").is_dir():
-    raise FileNotFoundError(f"config.ppo.reward_from={p.reward_from!r} is not a run's workdir (no checkpoints/ in it)")
   model, reward_tokenizer = init_from.source_model(p.reward_from)
   if models.family(model).layout != "decoder" or model.get("num_labels", 0) != 1:
     raise ValueError(f"config.ppo.reward_from={p.reward_from!r} holds a {model.family} model with num_labels="
@@ -100,6 +98,9 @@ def build(config, workdir: str, devices=None, *, held: contextlib.ExitStack | No
   """Validates the config (train.setup: one-line errors; with `held`, the trainer's run, it takes the workdir's
   lock), reads the prompts, lays out both models, loads or initialises their params and the reward model's, and jits
   the scoring pass and the updates."""
+  reward_from = config.ppo.reward_from   # checked before the workdir and tokenizer are made
+  if reward_from and not (epath.Path(reward_from) / "checkpoints").is_dir():
+    raise FileNotFoundError(f"config.ppo.reward_from={reward_from!r} is not a run's workdir (no checkpoints/ in it)")
   s = train_lib.setup(config, workdir, devices, held=held)
   c, p = s.config, s.config.ppo
   reward_model = _reward_model(c, s.tokenizer) if p.reward_from else None
