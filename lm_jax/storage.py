@@ -19,6 +19,7 @@ import glob as glob_lib
 import importlib
 import logging
 import os
+import posixpath
 import shutil
 import tempfile
 
@@ -127,6 +128,32 @@ def find(url: str) -> list[str]:
   fs.invalidate_cache()
   scheme = _scheme(url)
   return sorted(f"{scheme}://{p}" for p in fs.find(str(url).rstrip("/") + "/"))
+
+
+def normalized(url: str) -> str:
+  """`url` with '.', '..', repeated and trailing slashes of its key resolved ('gs://b/x/../run/' -> 'gs://b/run'):
+  the spelling that guards compare, however a user wrote it."""
+  scheme, rest = str(url).split("://", 1)
+  bucket, _, key = rest.partition("/")
+  key = posixpath.normpath("/" + key).lstrip("/")
+  return f"{scheme}://{bucket}/{key}" if key else f"{scheme}://{bucket}"
+
+
+def within(url: str, folder: str) -> bool:
+  """Whether the prefix `url` is `folder` or inside it, both normalized, as raw and as resolved spellings (a storage
+  may take 'a/../b' literally or resolve it: a guard holds for either)."""
+  pairs = ((str(url).rstrip("/"), str(folder).rstrip("/")), (normalized(url), normalized(folder)))
+  return any(u == f or u.startswith(f + "/") for u, f in pairs)
+
+
+def entries(url: str) -> list[str]:
+  """Names of the files and folders directly under the prefix `url`, read fresh from the server ([] when none)."""
+  fs = _fs(url)
+  fs.invalidate_cache(str(url))
+  try:
+    return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _remote(url, fs.ls, str(url), detail=True))
+  except FileNotFoundError:
+    return []
 
 
 def upload_dir(local: str, url: str, last: str):
