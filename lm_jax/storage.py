@@ -21,6 +21,7 @@ import logging
 import os
 import posixpath
 import shutil
+import sys
 import tempfile
 
 from etils import epath
@@ -36,6 +37,27 @@ logging.getLogger("google.auth._default").setLevel(logging.ERROR)   # a warning 
 
 class StorageError(OSError):
   """A remote path that cannot be used; its message is one line naming the path."""
+
+
+class Unreachable(StorageError):
+  """The storage stopped answering mid-run (a checkpoint save whose retries ran out). The command line then exits
+  right after its one line (exit_at_once): tensorboardX's exit-time upload would retry for two minutes more and print
+  a 40-line traceback, for events that cannot be written anyway."""
+
+
+def bound_upload_retries(seconds: float):
+  """google-cloud-storage's default retry (tensorboardX's uploads of a gs:// workdir's TensorBoard events use it)
+  given up after `seconds`, 120 s at most (its own limit): with the server gone, each TensorBoard flush of the
+  training loop waited 120 s, whatever storage_retry_s said."""
+  from google.cloud.storage import retry
+  retry.DEFAULT_RETRY._timeout = retry.DEFAULT_RETRY._deadline = min(120.0, seconds)   # bound as its default
+
+
+def exit_at_once(code: int):
+  """Ends the process without the rest of the exit handlers (registered last, atexit runs it first)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 def is_remote(path) -> bool:

@@ -95,7 +95,7 @@ def test_an_export_never_writes_through_a_link(gs_run, gcs_server, tmp_path):
     assert result.returncode == 0 and quiet(result.stderr) == [], result.stderr[-3000:]
     assert not target.is_symlink() and (target / "config.json").is_file()
     assert not any(p.is_symlink() for p in target.iterdir())
-  assert digests(victims) == before
+  assert digests(victims) == before and not list(tmp_path.glob("*.old"))   # the replaced link is not left over
   assert (tmp_path / ".out.partial-aaaaaaaa").is_symlink() and (tmp_path / ".linked.partial-aaaaaaaa").is_symlink()
 
 
