@@ -192,7 +192,8 @@ def _save_errors(mngr):
       last = mngr.latest_step()
       kept = f"the last complete checkpoint is step {last}" if last is not None else "no checkpoint was completed"
     except Exception:  # noqa: BLE001  the storage itself is gone (a remote workdir's server): nothing to list
-      kept = "the storage cannot be reached; the steps saved before are as they were"
+      raise storage.Unreachable(f"saving a checkpoint in {mngr.directory} failed: {_os_cause(e)}; the storage cannot "
+                                "be reached; the steps saved before are as they were") from e
     raise OSError(f"saving a checkpoint in {mngr.directory} failed: {_os_cause(e)}; {kept}") from e
 
 

@@ -7,6 +7,7 @@ config) or 1 (data, checkpoints, files); see lm_jax.config_lib.user_errors. --mo
 or for an objective that trains on its own rollouts (Objective.rollouts: PPO) lm_jax.rlhf.ppo.train, which builds on
 lm_jax.train (main -> rlhf -> train -> objectives; nothing below main imports rlhf).
 """
+import atexit
 import os
 import sys
 
@@ -133,11 +134,17 @@ def _run(config, mode):
     raise app.UsageError(f"--workdir is required for --mode={mode}")
   if os.path.isfile(_WORKDIR.value):
     raise app.UsageError(f"--workdir={_WORKDIR.value} is a file; a workdir is a directory")
-  from lm_jax import checkpoint, distributed, workdir_lock
+  from lm_jax import checkpoint, distributed, storage, workdir_lock
   distributed.maybe_initialize()
   checkpoint.bound_storage_retries(config.storage_retry_s)
+  if _WORKDIR.value.startswith("gs://"):
+    storage.bound_upload_retries(config.storage_retry_s)
   with workdir_lock.removed_if_unused(_WORKDIR.value):   # a run that stops at start leaves no workdir it created
-    _run_in_workdir(config, mode)
+    try:
+      _run_in_workdir(config, mode)
+    except storage.Unreachable:   # its one line, then exit: no library's exit-time retries (storage.exit_at_once)
+      atexit.register(storage.exit_at_once, 1)
+      raise
 
 
 def _run_in_workdir(config, mode):

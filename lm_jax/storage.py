@@ -19,7 +19,9 @@ import glob as glob_lib
 import importlib
 import logging
 import os
+import posixpath
 import shutil
+import sys
 import tempfile
 
 from etils import epath
@@ -35,6 +37,27 @@ logging.getLogger("google.auth._default").setLevel(logging.ERROR)   # a warning 
 
 class StorageError(OSError):
   """A remote path that cannot be used; its message is one line naming the path."""
+
+
+class Unreachable(StorageError):
+  """The storage stopped answering mid-run (a checkpoint save whose retries ran out). The command line then exits
+  right after its one line (exit_at_once): tensorboardX's exit-time upload would retry for two minutes more and print
+  a 40-line traceback, for events that cannot be written anyway."""
+
+
+def bound_upload_retries(seconds: float):
+  """google-cloud-storage's default retry (tensorboardX's uploads of a gs:// workdir's TensorBoard events use it)
+  given up after `seconds`, 120 s at most (its own limit): with the server gone, each TensorBoard flush of the
+  training loop waited 120 s, whatever storage_retry_s said."""
+  from google.cloud.storage import retry
+  retry.DEFAULT_RETRY._timeout = retry.DEFAULT_RETRY._deadline = min(120.0, seconds)   # bound as its default
+
+
+def exit_at_once(code: int):
+  """Ends the process without the rest of the exit handlers (registered last, atexit runs it first)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 def is_remote(path) -> bool:
@@ -127,6 +150,32 @@ def find(url: str) -> list[str]:
   fs.invalidate_cache()
   scheme = _scheme(url)
   return sorted(f"{scheme}://{p}" for p in fs.find(str(url).rstrip("/") + "/"))
+
+
+def normalized(url: str) -> str:
+  """`url` with '.', '..', repeated and trailing slashes of its key resolved ('gs://b/x/../run/' -> 'gs://b/run'):
+  the spelling that guards compare, however a user wrote it."""
+  scheme, rest = str(url).split("://", 1)
+  bucket, _, key = rest.partition("/")
+  key = posixpath.normpath("/" + key).lstrip("/")
+  return f"{scheme}://{bucket}/{key}" if key else f"{scheme}://{bucket}"
+
+
+def within(url: str, folder: str) -> bool:
+  """Whether the prefix `url` is `folder` or inside it, both normalized, as raw and as resolved spellings (a storage
+  may take 'a/../b' literally or resolve it: a guard holds for either)."""
+  pairs = ((str(url).rstrip("/"), str(folder).rstrip("/")), (normalized(url), normalized(folder)))
+  return any(u == f or u.startswith(f + "/") for u, f in pairs)
+
+
+def entries(url: str) -> list[str]:
+  """Names of the files and folders directly under the prefix `url`, read fresh from the server ([] when none)."""
+  fs = _fs(url)
+  fs.invalidate_cache(str(url))
+  try:
+    return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _remote(url, fs.ls, str(url), detail=True))
+  except FileNotFoundError:
+    return []
 
 
 def upload_dir(local: str, url: str, last: str):

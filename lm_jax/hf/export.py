@@ -19,6 +19,7 @@ export, or the new one whole; a failed upload removes what it uploaded. load_hf 
 copy (lm_jax.storage.local_dir).
 """
 import contextlib
+import fcntl
 import glob
 import json
 import os
@@ -35,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from lm_jax import hf, models, storage
+from lm_jax.obs import metrics_log
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import convert, tokenizer as hf_tokenizer
 
@@ -103,7 +105,8 @@ def writing(out_dir: str, overwrite: bool = False):
     return
   out_dir = os.path.abspath(out_dir)
   os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=os.path.dirname(out_dir))
+  _remove_stale_partials(out_dir)
+  tmp, held = _partial(out_dir)
   main_thread = threading.current_thread() is threading.main_thread()
   previous = signal.signal(signal.SIGTERM, _cancel) if main_thread else None
   old = tmp + ".old"   # an existing out_dir (overwrite, or empty) is set aside, replaced, then removed
@@ -113,7 +116,10 @@ def writing(out_dir: str, overwrite: bool = False):
     if os.path.lexists(out_dir):
       os.rename(out_dir, old)
     os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    if os.path.islink(old):   # out_dir was a link: the link is replaced, its target's files stay
+      os.unlink(old)
+    else:
+      shutil.rmtree(old, ignore_errors=True)
   except BaseException as e:
     if os.path.lexists(old) and not os.path.lexists(out_dir):
       os.rename(old, out_dir)
@@ -123,8 +129,57 @@ def writing(out_dir: str, overwrite: bool = False):
       raise OSError(e.errno, f"exporting to {out_dir} failed ({e.strerror}); nothing was written") from e
     raise
   finally:
+    os.close(held)
     if main_thread:
       signal.signal(signal.SIGTERM, previous)
+
+
+def _partial(out_dir: str) -> tuple[str, int]:
+  """A new folder .NAME.partial-XXXXXXXX beside out_dir and an open descriptor holding its flock: the kernel drops
+  the lock with the process however it ends, so a folder nobody holds is a killed export's (_remove_stale_partials).
+  Locked under another name, then renamed: a partial folder is never seen unlocked while its export lives."""
+  parent, name = os.path.dirname(out_dir), os.path.basename(out_dir)
+  starting = tempfile.mkdtemp(prefix=f".{name}.starting-", dir=parent)
+  held = os.open(starting, os.O_RDONLY | os.O_DIRECTORY)
+  with contextlib.suppress(OSError):   # a file system without locks: its partial folders are never removed
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  tmp = os.path.join(parent, f".{name}.partial-{os.path.basename(starting).rsplit('-', 1)[1]}")
+  os.rename(starting, tmp)
+  return tmp, held
+
+
+def _remove_stale_partials(out_dir: str):
+  """Removes the folders that killed exports to out_dir left beside it, with one warning line: .NAME.partial-* ones
+  no live export holds (_partial), and .NAME.partial-*.old ones (a replaced export) once out_dir exists again and
+  their partial folder is gone. Only names of this module's own pattern are touched."""
+  parent, name = os.path.dirname(out_dir), os.path.basename(out_dir)
+  pattern = re.compile(rf"\.{re.escape(name)}\.partial-[a-z0-9_]{{8}}(\.old)?")
+  removed = []
+  for entry in sorted(os.listdir(parent)):
+    path = os.path.join(parent, entry)
+    match = pattern.fullmatch(entry)
+    if not match or os.path.islink(path) or not os.path.isdir(path):
+      continue
+    if match[1] and (not os.path.isdir(out_dir) or os.path.lexists(path.removesuffix(".old"))):
+      continue   # set aside mid-swap: the only copy of the export it replaced
+    if match[1] or _unheld(path):
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(entry)
+  if removed:
+    metrics_log.warn(f"removed {len(removed)} unfinished export folder(s) beside {out_dir} that killed exports left "
+                     f"({', '.join(removed)})")
+
+
+def _unheld(folder: str) -> bool:
+  """Whether no process holds folder's flock (False where the file system has no locks: nothing is decided)."""
+  fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return True
+  except OSError:
+    return False
+  finally:
+    os.close(fd)
 
 
 def _cancel(signum, frame):
