@@ -132,3 +132,18 @@ def test_the_next_export_removes_a_killed_exports_partial_folder(gs_run, gcs_ser
                                              f"killed exports left ({stale.name})"), result.stderr[-3000:]
   assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, mine.name, "out"])
   assert (out / "model.safetensors").stat().st_size > 100
+
+
+def test_a_killed_exports_uploads_in_a_bucket_are_named_so(gs_run, gcs_server):
+  """A bucket has no rename, so a gs:// export uploads into its target with config.json last: files without it are
+  an export that stopped while uploading, and the next export says so (--overwrite replaces them)."""
+  from lm_jax import storage
+  run, args = gs_run
+  torn = f"{ROOT}/torn"
+  with storage.open(f"{torn}/model.safetensors", "wb") as f:
+    f.write(b"\0" * 64)
+  before = objects(torn)
+  result = cli(*args, f"--workdir={run}", "--mode=export", f"--export_dir={torn}", env=gcs_server["env"])
+  line = error_line(result, 1)
+  assert "holds an unfinished export (no config.json" in line and "--overwrite" in line, line
+  assert objects(torn) == before

@@ -78,9 +78,12 @@ def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer 
 def check_target(out_dir: str, overwrite: bool = False):
   """One-line error for an export target that `writing` would refuse: call it before the export's work."""
   if storage.is_remote(out_dir):
-    if storage.find(out_dir) and not overwrite:
-      raise FileExistsError(f"export directory {out_dir} is not empty; pass --overwrite to replace it whole, or "
-                            "choose another --export_dir")
+    found = storage.find(out_dir)
+    if found and not overwrite:   # a bucket has no rename: a killed export's uploads sit in the target itself
+      torn = f"{str(out_dir).rstrip('/')}/config.json" not in found
+      raise FileExistsError(f"export directory {out_dir} " + (
+          "holds an unfinished export (no config.json: an export stopped while uploading)" if torn else
+          "is not empty") + "; pass --overwrite to replace it whole, or choose another --export_dir")
     return
   if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
     raise FileExistsError(f"export directory {out_dir} is a file")
