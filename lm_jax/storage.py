@@ -333,3 +333,51 @@ def _remote(url, call, *args, **kwargs):
   except Exception as e:  # noqa: BLE001  (gcsfs: OSError 'Forbidden', HttpError, requests' and google.auth's own)
     why = "permission denied" if describe(e).startswith("Forbidden") else describe(e)
     raise StorageError(f"{url}: {why}") from None
+
+
+# ------------------------------------------------------------------------------- writing in a user's folder
+def refuse_link(p):
+  """StorageError naming `p` when it is a symbolic link: lm_jax never creates or appends a file through a link placed
+  in a folder the user names (it could overwrite the link's target). Reading through links stays."""
+  if not is_remote(p) and os.path.islink(p):
+    refuse_links([p])
+
+
+def refuse_links(paths: list[str]):
+  """refuse_link's error naming every one of `paths` (links), if any."""
+  if paths:
+    are = "is a symbolic link" if len(paths) == 1 else "are symbolic links"
+    raise StorageError(f"{', '.join(map(str, paths))} {are}; lm_jax does not write through links: remove "
+                       f"{'it' if len(paths) == 1 else 'them'}")
+
+
+def open_append(p: str):
+  """A local file opened to append (created if missing), never through a link (refuse_link's error)."""
+  try:
+    return os.fdopen(os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a")
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      refuse_link(p)
+    raise
+
+
+def write_new(folder: str, prefix: str, data: bytes) -> str:
+  """The path of a new file in a local folder holding `data`, under a name no other file had (O_EXCL: never a link
+  placed there), for writing a file whole and renaming it over its final name."""
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
+  os.fchmod(fd, 0o644)   # as an ordinary new file (mkstemp's is 0600)
+  with os.fdopen(fd, "wb") as f:
+    f.write(data)
+  return tmp
+
+
+_URL_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~/")
+
+
+def url_unsafe(url: str) -> str:
+  """The characters of a remote path other than a URL's unreserved ones and '/': TensorStore (orbax's checkpoints)
+  parses a gs:// path as a URL ('#', '?' refused, '%41' read as 'A': data outside the folder) and gcsfs's renames
+  expand '*' and '[]' as globs, so such a name puts files elsewhere or stops a run part way. '' for a local path."""
+  if not is_remote(url):
+    return ""
+  return "".join(sorted(set(str(url).split("://", 1)[1]) - _URL_SAFE))

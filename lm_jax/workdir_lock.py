@@ -17,6 +17,10 @@ stale once it is STALE_S seconds unrenewed, or at once when its holder is a pid 
 kill -9 and an immediate resume); a stale lock is replaced under the precondition of its own generation, so of two
 runs that find it stale one wins. Other URLs (no preconditions) get a warning and no lock.
 
+Nothing lm_jax writes in the workdir goes through a symbolic link placed there: before the lock is taken every name
+the run writes (the lock, WRITES and the entries of the folders among them) is checked, so links there stop the run
+in one line naming them before anything is written, and the lock file is opened with O_NOFOLLOW.
+
 A multi-host run is one run: process 0 holds the lock and tells the others whether it got it, so all start or all
 stop. Locks per process would each see the other processes' locks as another run in a shared workdir.
 """
@@ -42,6 +46,11 @@ from lm_jax.obs import metrics_log
 NAME = "run.lock"
 RENEW_S = 30.0     # a gs:// lock's renewal period
 STALE_S = 300.0    # a gs:// lock unrenewed this long is stale (clocks of host and server may differ by seconds)
+# What a run writes in its workdir (besides the lock and its tokenizer, written by rename): no link may stand there.
+WRITES = ("metrics.jsonl", "tensorboard", "wandb", "wandb_run_id", "profile", "checkpoints", "best", "policy")
+WRITES_IN = ("tensorboard", "checkpoints", "best", "policy")   # folders whose entries lm_jax names (steps, events)
+
+_TAKEN: set[str] = set()   # the local workdirs whose lock this process has held
 
 
 class WorkdirInUse(OSError):
@@ -50,17 +59,20 @@ class WorkdirInUse(OSError):
 
 @contextlib.contextmanager
 def hold(workdir: str):
-  """Holds workdir's lock for the block; WorkdirInUse (on every process) when another run holds it."""
+  """Holds workdir's lock for the block; WorkdirInUse (on every process) when another run holds it, StorageError
+  when a link stands where the run writes (check_no_links)."""
   f, error = None, None
   if distributed.is_lead():
     try:
       if not storage.is_remote(workdir):
+        check_no_links(workdir)
         f = _acquire(os.path.join(workdir, NAME))
+        _TAKEN.add(workdir)
       elif workdir.startswith("gs://"):
         f = _GcsLock(f"{workdir.rstrip('/')}/{NAME}")
       else:
         metrics_log.warn(f"{workdir}: no lock on this kind of storage; nothing stops a second run in this workdir")
-    except WorkdirInUse as e:
+    except (WorkdirInUse, storage.StorageError) as e:   # in use, a link where the run writes, storage errors
       error = e
   if jax.process_count() > 1:
     held = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
@@ -78,14 +90,42 @@ def hold(workdir: str):
 def removed_if_unused(workdir: str):
   """Removes `workdir` when the block fails and the workdir did not exist before it and holds no result yet (no
   checkpoint step, no metrics record): a run that stops at start leaves no run.lock, empty checkpoints/ or trained
-  tokenizer behind, so the corrected command starts afresh. Process 0 removes; remote workdirs are left alone."""
+  tokenizer behind, so the corrected command starts afresh. Only a run that held the workdir's lock removes it, and
+  only while holding it again: of runs started together on a new workdir, the refused ones (which also saw no
+  workdir) leave the winner's alone. Process 0 removes; remote workdirs are left alone."""
   created = "://" not in workdir and not os.path.lexists(workdir)
   try:
     yield
   except BaseException:
-    if created and distributed.is_lead() and os.path.isdir(workdir) and not _has_results(workdir):
-      shutil.rmtree(workdir, ignore_errors=True)
+    if created and distributed.is_lead() and workdir in _TAKEN:
+      _remove_unless_used(workdir)
     raise
+
+
+def _remove_unless_used(workdir: str):
+  """Removes workdir unless it holds results or another run has locked it since this run let go."""
+  try:
+    fd = os.open(os.path.join(workdir, NAME), os.O_RDWR | os.O_NOFOLLOW)
+  except OSError:   # no lock file (or a link): not the folder this run locked
+    return
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if os.path.isdir(workdir) and not _has_results(workdir):
+      shutil.rmtree(workdir, ignore_errors=True)
+  except OSError:   # locked by another run
+    pass
+  finally:
+    os.close(fd)
+
+
+def check_no_links(workdir: str):
+  """StorageError naming every symbolic link where the run writes in a local workdir (see WRITES), in one line."""
+  places = [os.path.join(workdir, name) for name in (NAME, *WRITES)]
+  for name in WRITES_IN:
+    folder = os.path.join(workdir, name)
+    if os.path.isdir(folder) and not os.path.islink(folder):
+      places += [os.path.join(folder, entry) for entry in sorted(os.listdir(folder))]
+  storage.refuse_links([p for p in places if os.path.islink(p)])
 
 
 def _has_results(workdir: str) -> bool:
@@ -107,7 +147,12 @@ def _holds_steps(folder: pathlib.Path) -> bool:
 def _acquire(path: str):
   """The open lock file, locked and naming this process; WorkdirInUse naming the holder when it is locked."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  f = open(path, "a+", encoding="utf-8")   # created if missing, never truncated before it is ours
+  try:   # created if missing, never truncated before it is ours, never opened through a link
+    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a+", encoding="utf-8")
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      storage.refuse_link(path)
+    raise
   try:
     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except OSError as e:

@@ -300,8 +300,11 @@ def spm_sentences(line: str, max_bytes: int = _MAX_SENTENCE_BYTES):
 
 
 def _write(path: epath.Path, data: bytes):
-  """Writes through a temporary file, so a reader never sees a partial tokenizer."""
+  """Writes through a temporary file, so a reader never sees a partial tokenizer; a local one is new (never a link
+  placed in the workdir) and its rename replaces a link at `path` rather than writing through it."""
   path.parent.mkdir(parents=True, exist_ok=True)
+  if not storage.is_remote(path):
+    return os.replace(storage.write_new(str(path.parent), f"{path.name}.", data), path)
   tmp = path.with_suffix(f".tmp{os.getpid()}")
   tmp.write_bytes(data)
   tmp.replace(path)

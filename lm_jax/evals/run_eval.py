@@ -24,5 +24,5 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     record = {"step": latest, **train.make_evaluator(s)(params)}
   loop.say(metrics_log.console(record, latest))
-  metrics_log.MetricsLog(workdir, resume_step=10**12, tensorboard=False).write(record)  # no-op off process 0
+  metrics_log.MetricsLog(workdir, resume_step=None, tensorboard=False).write(record)  # no-op off process 0
   return record

@@ -7,10 +7,12 @@ records of an uninterrupted one (wall-clock fields such as tokens_per_sec aside)
 to, so there metrics.jsonl is a folder of segments: each write uploads one object NNNNNNNN.jsonl with its record
 (the cost grows with the new records, not with the run), and a run's start that cuts records back (or finds more
 than one segment) writes NNNNNNNN.base.jsonl, which replaces every segment before it, then deletes those. `read`
-joins them into the one list of records a local file gives. A workdir that cannot be written (read-only, full) costs the file, with one
-warning, never the run's results: the console line is printed either way; TensorBoard or W&B failing costs only
-itself, with one warning. A damaged line in the middle of metrics.jsonl is skipped by name, never a reason to
-drop the records after it.
+joins them into the one list of records a local file gives. An evaluator beside the trainer (resume_step None) only
+appends: locally to the file, remotely as NNNNNNNN.ID.jsonl segments (ID its own), so no two writers ever write one
+object or cut each other's records. Nothing is written through a symbolic link at metrics.jsonl (one line). A
+workdir that cannot be written (read-only, full) costs the file, with one warning, never the run's results: the
+console line is printed either way; TensorBoard or W&B failing costs only itself, with one warning. A damaged line
+in the middle of metrics.jsonl is skipped by name, never a reason to drop the records after it.
 """
 import contextlib
 import datetime
@@ -20,6 +22,7 @@ import logging
 import os
 import sys
 import threading
+import uuid
 
 from absl import logging as absl_logging
 from etils import epath
@@ -94,13 +97,18 @@ def read(path) -> list[dict]:
 
 
 def _segments(folder: str) -> list[tuple[int, str]]:
-  """(number, URL) of a remote metrics.jsonl's segments, in order."""
+  """(number, URL) of a remote metrics.jsonl's segments, in order: by number, then a base, the trainer's, the
+  evaluators' (an evaluator's segment numbered as the trainer's next one sorts after it)."""
   out = []
   for url in storage.list_files(folder):
     number, _, rest = url.rsplit("/", 1)[1].partition(".")
-    if number.isdigit() and rest in ("jsonl", "base.jsonl"):
-      out.append((int(number), url))
-  return sorted(out)
+    if number.isdigit() and rest.endswith("jsonl"):
+      out.append(((int(number), rest != "base.jsonl", rest != "jsonl", rest), url))
+  return [(key[0], url) for key, url in sorted(out)]
+
+
+def _next_segment(segments: list[tuple[int, str]]) -> int:
+  return segments[-1][0] + 1 if segments else 0
 
 
 def _segment_texts(folder: str) -> dict[str, bytes]:
@@ -114,18 +122,24 @@ def _segment_texts(folder: str) -> dict[str, bytes]:
 class MetricsLog:
   """The run's records from resume_step on; with a config whose wandb.project is set, in W&B as well."""
 
-  def __init__(self, workdir: str, resume_step: int, tensorboard: bool = True, config=None):
+  def __init__(self, workdir: str, resume_step: int | None, tensorboard: bool = True, config=None):
+    """resume_step None: an evaluator's log, which appends its records and leaves the others alone."""
     self.workdir = workdir
     self.path = epath.Path(workdir) / "metrics.jsonl"
     self.remote = "://" in str(workdir)
     self.active = distributed.is_lead()
     self.writable = self.active
     self.tb = self.wandb = None
-    self.records, self.segment = [], 0
+    self.records, self.segment, self.writer = [], 0, ""
     if not self.active:
       return
+    if not self.remote:
+      storage.refuse_link(self.path)
     with self._unless_unwritable():
-      if self.remote:
+      if resume_step is None:
+        self.writer = f".{uuid.uuid4().hex[:12]}"
+        self.segment = _next_segment(_segments(str(self.path))) if self.remote else 0
+      elif self.remote:
         self._start_segments(resume_step)
       else:
         self.records = [r for r in read(self.path) if r.get("step", 0) <= resume_step]
@@ -167,25 +181,24 @@ class MetricsLog:
 
   def _rewrite(self):
     """Local: the file replaced atomically (a kill during the rewrite leaves the old one)."""
-    tmp = f"{self.path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-      f.write("".join(json.dumps(r) + "\n" for r in self.records))
-    os.replace(tmp, self.path)
+    text = "".join(json.dumps(r) + "\n" for r in self.records)
+    os.replace(storage.write_new(str(self.path.parent), "metrics.jsonl.", text.encode()), self.path)
 
   def _start_segments(self, resume_step: int):
     """Remote: the records up to resume_step; a new base segment when that cuts any or there are several (each
     object is replaced atomically, so a kill leaves the old segments or the new base), then the old ones go."""
     folder = str(self.path)
-    old = [url for _, url in _segments(folder)]
+    segments = _segments(folder)
+    old = [url for _, url in segments]
     every = read(folder)
     self.records = [r for r in every if r.get("step", 0) <= resume_step]
-    self.segment = int(old[-1].rsplit("/", 1)[1].split(".")[0]) + 1 if old else 0
+    self.segment = _next_segment(segments)
     if len(self.records) < len(every) or len(old) > 1:
       self._upload(self.records, base=True)
       storage.remove(old)
 
   def _upload(self, records: list[dict], base: bool = False):
-    name = f"{self.segment:08d}.base.jsonl" if base else f"{self.segment:08d}.jsonl"
+    name = f"{self.segment:08d}.base.jsonl" if base else f"{self.segment:08d}{self.writer}.jsonl"
     (self.path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
     self.segment += 1
 
@@ -208,7 +221,7 @@ class MetricsLog:
         if self.remote:
           self._upload([record])
         else:
-          with open(self.path, "a") as f:
+          with storage.open_append(str(self.path)) as f:
             f.write(json.dumps(record) + "\n")
     if self.tb:
       with self._observer("tb", "TensorBoard"):
