@@ -1,5 +1,5 @@
 """Golden runs: the first 20 losses and the final eval loss of each tiny config's run (every family and objective)
-on 1 device, of one run per family on an 8-device mesh (data 2, fsdp 2, tensor 2), and the per-device memory
+on 1 device, of one model per layout on an 8-device mesh (data 2, fsdp 2, tensor 2), and the per-device memory
 --mode=compile reports for two topologies. tests/test_goldens.py compares today's numbers with them. A change that
 moves them regenerates them in the same commit, saying why:
 
@@ -9,9 +9,10 @@ writes tests/goldens/{1_device,8_devices,compile_memory}.json with the reason, d
 compile_memory.json only where LM_JAX_AOT_PYTHON names the --mode=compile interpreter (tests/test_aot.py), else
 it is kept as it is.
 
-Each group of runs trains in one subprocess (`--measure=GROUP` prints its JSON), the groups side by side: XLA's
+The runs train in two subprocesses side by side (WORKERS; `--measure=I` prints one's JSON), XLA's
 CPU flags below compile a tiny step in about a second (numbers differ from the default flags' in the last digits;
-golden and test use the same), and --xla_cpu_max_isa keeps the code the same on CPUs with wider vectors.
+golden and test use the same), --xla_cpu_max_isa keeps the code the same on CPUs with wider vectors, and
+single-threaded Eigen spends no CPU time waiting on 8 simulated devices.
 """
 import argparse
 import datetime
@@ -26,7 +27,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 STEPS = 20
 XLA_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false --xla_cpu_max_isa=AVX2")
+             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false --xla_cpu_max_isa=AVX2 "
+             "--xla_cpu_multi_thread_eigen=false")
 REGENERATE = 'python tests/goldens/regenerate.py --reason="..."'
 
 # Every run: 1 layer of d_model 32, seq 32, batch 8, 20 steps, one eval at the end on at most 2 batches. In the
