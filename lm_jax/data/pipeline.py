@@ -317,7 +317,8 @@ def _corpus(config, split: str, layout, tokenizer, source: mixture_lib.Source | 
   if config.data.prepared:
     return prepared.open_split(config, split, tokenizer, layout.as_sentences, role, source)
   docs = sources.documents(config, split, source)
-  pool = workers.Workers(tokenizer, config.data.workers) if config.data.workers > 1 else None
+  n = workers.count(config.data.workers)
+  pool = workers.Workers(tokenizer, n) if n > 1 else None
   return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences, workers=pool)
 
 
