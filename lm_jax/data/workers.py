@@ -1,7 +1,7 @@
 """Worker processes that tokenize on the fly (config.data.workers > 1): a Corpus hands each batch of documents to N
 spawned processes, each holding the run's tokenizer, in N contiguous parts, and puts the results back in order.
 Tokenizing is a pure function of the text and the tokenizer (corpus.tokenize), so the batches are those of one
-worker; only the time changes. The pool is made on first use and shared by the corpora of one tokenizer.
+worker; only the time changes. The pool starts with the first corpus of a tokenizer and is shared by its others.
 
 The workers ignore SIGINT and SIGTERM: a Ctrl-C or a preemption sent to the whole process group is the trainer's to
 handle (it saves, then exits and the workers are killed). Each part is sent over the worker's own pipe and waited for
@@ -91,11 +91,14 @@ class _Pool:
   def _receive(self, k: int):
     connection.wait([self._pipes[k], self._procs[k].sentinel])
     try:
-      if self._pipes[k].poll():
-        return self._pipes[k].recv()
+      answer = self._pipes[k].recv() if self._pipes[k].poll() else None
     except (EOFError, OSError):
-      pass
-    self._died(k)
+      answer = None
+    if answer is None:
+      self._died(k)
+    if isinstance(answer, Exception):   # raised here, as in one process
+      raise answer
+    return answer
 
   def _died(self, k: int):
     proc = self._procs[k]
@@ -135,6 +138,10 @@ def _serve(pipe, path: str, family):
   try:
     while True:
       texts, as_sentences = pipe.recv()
-      pipe.send(corpus_lib.tokenize(texts, tok, as_sentences))
+      try:
+        answer = corpus_lib.tokenize(texts, tok, as_sentences)
+      except Exception as e:   # the trainer raises it
+        answer = e
+      pipe.send(answer)
   except (EOFError, BrokenPipeError):    # the trainer is gone
     return
