@@ -67,6 +67,10 @@ def jsonl(shared_data, tmp_path_factory) -> pathlib.Path:
   return path
 
 
+two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="data.workers needs 2 CPUs (capped at 1)")
+
+
+@two_cpus
 def test_bad_records_are_counted_as_they_go_and_a_killed_worker_stops_in_one_line(shared_data, jsonl, tmp_path):
   """Bad records are counted in every log line and train record (not only at an epoch's end, which a real corpus
   never reaches); a data worker killed with -9 (the OOM killer) ends the run in one line, exit 1, where it used to
@@ -85,6 +89,7 @@ def test_bad_records_are_counted_as_they_go_and_a_killed_worker_stops_in_one_lin
   assert time.monotonic() - at < 60
 
 
+@two_cpus
 def test_ctrl_c_to_the_process_group_saves_and_exits_with_workers_capped_at_the_cpus(shared_data, tmp_path):
   """Ctrl-C at a terminal reaches the trainer and its workers: the trainer saves and exits 0 at once, with no worker
   tracebacks (it used to hang at exit until a second Ctrl-C). data.workers above the CPU count is capped, with one
