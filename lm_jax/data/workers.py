@@ -37,8 +37,8 @@ def count(requested: int) -> int:
 
 @functools.cache
 def _warn_capped(requested: int, cpus: int):
-  logging.warning("data.workers=%d is more than the %d CPUs this process may use: tokenizing in %d worker processes",
-                  requested, cpus, cpus)
+  logging.warning("data: data.workers=%d is more than the %d CPUs this process may use: tokenizing in %d worker "
+                  "processes", requested, cpus, cpus)
 
 
 class Workers:
