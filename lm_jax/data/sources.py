@@ -52,7 +52,8 @@ def documents(config, split: str, source: mixture_lib.Source | None = None) -> r
 def _train_fraction(config, split: str) -> float:
   """The first fraction of config.data.files' documents that trains, the rest evaluating, when every split reads the
   same files (no {split} in data.files, no slice in `split` or the config's split names: a slice picks the records
-  itself): data.split_fraction, else DEFAULT_FRACTION. 0 when the splits are the files' own, or TFDS's."""
+  itself): data.split_fraction, else DEFAULT_FRACTION. 0 when the splits are the files' own, or TFDS's, or when
+  train_split and eval_split name one split (an eval on the training text asked for)."""
   d = config.data
   if d.split_fraction:
     if not 0 < d.split_fraction < 1:
@@ -62,7 +63,8 @@ def _train_fraction(config, split: str) -> float:
                        f"{{split}}, got {d.files!r}")
     return d.split_fraction
   sliced = any(records.split_spec(name)[1] for name in (split, d.train_split, d.eval_split))
-  return DEFAULT_FRACTION if d.files and "{split}" not in d.files and not sliced else 0.0
+  one = d.files and "{split}" not in d.files and d.train_split != d.eval_split
+  return DEFAULT_FRACTION if one and not sliced else 0.0
 
 
 @functools.cache
