@@ -28,7 +28,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.shuffle = True
   c.data.shards = 1               # training stream shards; hosts split them (see lm_jax/data/pipeline.py)
   c.data.split_fraction = 0.0     # > 0: train on this first fraction of data.files' text, eval on the rest
-                                  # (nanoGPT's split of one file); 0 = the files' own train_split / eval_split
+                                  # (nanoGPT's split of one file); 0 = the files' own train_split / eval_split,
+                                  # or 0.9 of the documents when data.files has no {split} (lm_jax/data/sources.py)
   c.data.windows = False          # train on random seq_len windows of the split's text (nanoGPT's get_batch) and
                                   # eval on all of it in consecutive windows (lm_jax/data/windows.py)
   c.data.eval_batches = 8         # batches per eval; 0 = every complete batch of the eval split

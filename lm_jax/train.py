@@ -82,8 +82,9 @@ def _init_or_restore(s: Setup, mngr, train_it):
   return restored.state, loop.resume(restored, mngr.directory, train_it)
 
 
-def _record(s: Setup, peak: float) -> Callable:
-  """(window's host metrics, seconds per step) -> log record: the last step's metrics, the window's throughput."""
+def _record(s: Setup, peak: float, train_it) -> Callable:
+  """(window's host metrics, seconds per step) -> log record: the last step's metrics, the window's throughput, the
+  bad records skipped so far."""
   tokens, flops = (s.config.batch_size * f(s.config) for f in (s.objective.tokens_per_example,
                                                                s.objective.flops_per_example))
 
@@ -92,7 +93,7 @@ def _record(s: Setup, peak: float) -> Callable:
   def record(host: list[dict], seconds: float) -> dict:
     last = dict(host[-1])
     return {"loss": last.pop("loss"), "lr": last.pop("lr"), **last, "tokens_per_sec": tokens / seconds,
-            "mfu": flops / seconds / peak, **memory.device_stats(device)}
+            "mfu": flops / seconds / peak, **memory.device_stats(device), **pipeline.skipped(train_it)}
   return record
 
 
@@ -106,8 +107,8 @@ def _loop(s: Setup, state, start: int, run: loop.Session, train_it) -> tuple[dic
   loop.say(hardware.describe(peak, source))
   data_state = lambda: checkpoint.data_state(train_it)
   schedules = loop.Schedules(
-      c, mngr, run.log, _record(s, peak), save=lambda i, state: checkpoint.save(mngr, i, state, data_state(), c),
-      ledger=ledger, data_state=data_state,
+      c, mngr, run.log, _record(s, peak, train_it),
+      save=lambda i, state: checkpoint.save(mngr, i, state, data_state(), c), ledger=ledger, data_state=data_state,
       evaluate=(lambda state: evaluator(state["params"], int(state["step"]))) if evaluator else None,
       tokens_per_step=c.batch_size * s.objective.tokens_per_example(c),
       best=checkpoint.Best(str(mngr.directory.parent), c) if evaluator and c.finetune.best_metric else None)

@@ -67,12 +67,12 @@ def test_file_types_and_bad_records_are_counted(tmp_path, toks):
                                      b'{"text": "\xff bad"}\n{"text": "a"}\n')
   (tmp_path / "c.tsv").write_text("a tab separated sentence\t1\nanother one\t0\n")
   (tmp_path / "d.tsv").write_text("label\ttext\n1\theader names the text column\n")
-  docs = sources.documents(_config("clm", tmp_path / "*"), "train")
+  docs = sources.documents(_config("clm", tmp_path / "*"), "train[:]")   # every record, none held out for eval
   assert [d if isinstance(d, str) else d.reason for d in docs] == [
       "First doc line one\nline two", "Second doc here", "\ufffd\ufffd broken", "undecodable",
       "a json document", "malformed", "malformed", "", "\ufffd bad", "a",
       "a tab separated sentence", "another one", "header names the text column"]
-  it = _train_it(_config("clm", tmp_path / "*", shuffle=False), toks["clm"], prefetch=0)
+  it = _train_it(_config("clm", tmp_path / "*", shuffle=False, train_split="train[:]"), toks["clm"], prefetch=0)
   next(it)   # one epoch is smaller than a batch: the iterator wraps around, never crashes
   assert it.stats == dict(documents=13, empty=1, undecodable=1, malformed=2, too_short=1, dropped_tokens=0,
                           replaced_documents=2, replaced_bytes=3)
@@ -82,7 +82,7 @@ def test_missing_empty_and_unsupported_sources_are_named(tmp_path, toks):
   with pytest.raises(FileNotFoundError, match="no files match .*nothing-here"):
     sources.documents(_config("clm", tmp_path / "nothing-here*.txt"), "train")
   (tmp_path / "bad.jsonl").write_text("oops\n{}\n")
-  it = _train_it(_config("clm", tmp_path / "bad.jsonl"), toks["clm"], prefetch=0)
+  it = _train_it(_config("clm", tmp_path / "bad.jsonl", train_split="train[:]"), toks["clm"], prefetch=0)
   with pytest.raises(ValueError, match="no usable documents in .*bad.jsonl.*'malformed': 2"):
     next(it)
   (tmp_path / "x.csv").write_text("a,b\n")

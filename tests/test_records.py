@@ -110,7 +110,7 @@ class _Tokenizer:
 
 
 def _text(path):
-  c = config_lib.load("configs/gpt1.py:tiny", {"data.files": str(path)})
+  c = config_lib.load("configs/gpt1.py:tiny", {"data.files": str(path.parent / "{split}.jsonl")})  # its own split
   return corpus.Corpus(sources.documents(c, "train"), _Tokenizer(), as_sentences=False)
 
 

@@ -8,9 +8,11 @@
   .jsonl / .txt / ...    plain text, read in blocks
 
 lines(path) gives (line number, bytes) of the non-blank lines of a line format; rows(path, names) gives (row number,
-{name: value}) of a columnar one. A truncated .gz or .zst file is a one-line ValueError naming it. records.py turns
-both into records and counts the bad ones.
+{name: value}) of a columnar one. A truncated or corrupt .gz or .zst file, a damaged .arrow or .parquet file and a
+damaged state.json are each a one-line ValueError naming the file (the decoders' own errors name none); records.py
+turns both kinds into records and counts the bad ones.
 """
+import contextlib
 import json
 import os
 import zlib
@@ -23,6 +25,7 @@ _ZSTD = (".jsonl.zst", ".json.zst")
 _ARROW_DIR_FILES = ("dataset_info.json", "state.json")
 COMPRESSED = _GZIP + _ZSTD
 COLUMNAR = (".parquet",)
+_ARROW_ERRORS = (OSError, ValueError)   # what pyarrow raises on a damaged file (ArrowInvalid, ArrowIOError)
 
 
 def is_arrow_dir(path: str) -> bool:
@@ -86,26 +89,38 @@ def _document(chunk, text):
 
 
 def _gzip_blocks(path):
-  yield from _members(path, lambda: zlib.decompressobj(wbits=31), "gzip file (it ends inside a member)")
+  yield from _members(path, lambda: zlib.decompressobj(wbits=31), "gzip file", "member", zlib.error)
 
 
 def _zstd_blocks(path):
   import zstandard
-  yield from _members(path, lambda: zstandard.ZstdDecompressor().decompressobj(),
-                      "zstandard file (it ends inside a frame)")
+  yield from _members(path, lambda: zstandard.ZstdDecompressor().decompressobj(), "zstandard file", "frame",
+                      zstandard.ZstdError)
 
 
-def _members(path, new, truncated):
-  """Decompressed blocks of concatenated members (gzip) or frames (zstd); a last one cut short is an error."""
+def _members(path, new, kind, part, error):
+  """Decompressed blocks of concatenated members (gzip) or frames (zstd); a last one cut short, or bytes that do not
+  decompress, are an error naming the file."""
   with storage.open(path, "rb") as raw:
     d, pending, inside = new(), b"", False
     while chunk := pending or raw.read(_BLOCK):
       inside, pending = True, b""
-      yield d.decompress(chunk)
+      with _damaged(path, f"a {kind}", error):
+        block = d.decompress(chunk)
+      yield block
       if d.eof:
         d, pending, inside = new(), d.unused_data, False
     if inside:
-      raise ValueError(f"{path}: truncated {truncated}")
+      raise ValueError(f"{path}: truncated {kind} (it ends inside a {part})")
+
+
+@contextlib.contextmanager
+def _damaged(path: str, kind: str, errors):
+  """The decoders' errors (zlib, zstandard, Arrow, JSON) as one ValueError naming the file."""
+  try:
+    yield
+  except errors as e:
+    raise ValueError(f"{path}: damaged, it does not read as {kind} ({e}); replace the file") from None
 
 
 def columns(path: str) -> list[str]:
@@ -126,21 +141,28 @@ def rows(path: str, names: tuple):
 
 
 def _batches(path, present):
+  """Record batches, each checked whole (offsets, UTF-8) before use: a damaged file is an error naming it."""
   import pyarrow as pa
   if path.endswith(COLUMNAR):
-    yield from _parquet(path).iter_batches(batch_size=1024, columns=present)
+    with _damaged(path, "Parquet", _ARROW_ERRORS):
+      for batch in _parquet(path).iter_batches(batch_size=1024, columns=present):
+        batch.validate(full=True)
+        yield batch
     return
   for file in arrow_files(path):
-    with _arrow_source(file) as source:
+    with _damaged(file, "an Arrow stream", _ARROW_ERRORS), _arrow_source(file) as source:
       for batch in pa.ipc.open_stream(source):
-        yield batch.select(present)
+        batch = batch.select(present)
+        batch.validate(full=True)
+        yield batch
 
 
 def arrow_files(path: str) -> list[str]:
   """A datasets folder's *.arrow files in order (state.json's _data_files when it lists them)."""
   state = _join(path, "state.json")
   if storage.exists(state):
-    with storage.open(state, "r") as f:
+    with storage.open(state, "r") as f, _damaged(state, "a datasets state.json", (ValueError, KeyError, TypeError,
+                                                                                   AttributeError)):
       listed = [_join(path, d["filename"]) for d in json.load(f).get("_data_files", [])]
     if listed:
       return listed
@@ -152,7 +174,8 @@ def arrow_files(path: str) -> list[str]:
 
 def _arrow_schema(path):
   import pyarrow as pa
-  with _arrow_source(arrow_files(path)[0]) as source:
+  file = arrow_files(path)[0]
+  with _damaged(file, "an Arrow stream", _ARROW_ERRORS), _arrow_source(file) as source:
     return pa.ipc.open_stream(source).schema
 
 

@@ -36,6 +36,14 @@ from lm_jax.data import windows as windows_lib
 WINDOW_ROWS = 1024            # rows shuffled together; a restore rebuilds at most this many
 _WHOLE_SPLIT = 1 << 40       # rows to ask for when evaluating a whole split
 _MOSTLY_PADDING = 0.5         # warn when less than this fraction of the row positions hold tokens
+_BAD = ("malformed", "undecodable")   # the records.Bad reasons a train record counts (not empty or short documents)
+
+
+def skipped(it) -> dict:
+  """What a train record says of the bad records the training stream skipped so far in this process (so many
+  since a resume): {'bad_records': n} once there are any (nanoGPT's windows read whole text and have none)."""
+  n = getattr(it, "bad_records", 0)
+  return {"bad_records": n} if n else {}
 
 
 def _take(rows: dict, idx) -> dict:
@@ -185,6 +193,7 @@ class TrainIterator:
     self._thread = self._queue = None
     self._stop = threading.Event()
     self._checked = False
+    self.bad_records = 0          # malformed and undecodable records skipped until the last batch returned
 
   @property
   def stats(self) -> dict:
@@ -201,7 +210,7 @@ class TrainIterator:
 
   def __next__(self) -> dict:
     if not self._prefetch:
-      batch, self._consumed = self._produce()
+      batch, self._consumed, self.bad_records = self._produce()
       return batch
     if self._thread is None:
       self._start()
@@ -209,7 +218,7 @@ class TrainIterator:
     if isinstance(item, BaseException):
       self._thread = None
       raise item
-    batch, self._consumed = item
+    batch, self._consumed, self.bad_records = item
     return batch
 
   def get_state(self) -> dict:
@@ -247,7 +256,8 @@ class TrainIterator:
           _warn_if_thin(p, self._rows_per_shard)
       self._checked = True
     self._batch_index += 1
-    return _take(_concat(parts), self._local), self._snapshot()
+    bad = sum(c.stats.get(reason, 0) for c in self._corpora for reason in _BAD)
+    return _take(_concat(parts), self._local), self._snapshot(), bad
 
   def _start(self):
     self._stop.clear()
@@ -317,7 +327,8 @@ def _corpus(config, split: str, layout, tokenizer, source: mixture_lib.Source | 
   if config.data.prepared:
     return prepared.open_split(config, split, tokenizer, layout.as_sentences, role, source)
   docs = sources.documents(config, split, source)
-  pool = workers.Workers(tokenizer, config.data.workers) if config.data.workers > 1 else None
+  n = workers.count(config.data.workers)
+  pool = workers.Workers(tokenizer, n) if n > 1 else None
   return corpus_lib.Corpus(docs, tokenizer, as_sentences=layout.as_sentences, workers=pool)
 
 

@@ -5,9 +5,18 @@ and slices, bad records, invalid UTF-8).
 `documents(config, split)` returns a random-access sequence; item i is the text of document i (config.data.text_field
 of a .jsonl / .tsv record or a TFDS feature; a .txt document), or a `records.Bad` for a record that is not usable
 text (counted and skipped by the pipeline, never fatal).
+
+config.data.files without {split} (one file, or one glob, for every split) would give the eval the training text:
+its documents are cut instead, the first data.split_fraction (default 0.9) training and the rest evaluating.
 """
+import functools
+import multiprocessing
+
+from lm_jax import distributed
 from lm_jax.data import mixture as mixture_lib
 from lm_jax.data import records, tfds_prepare
+
+DEFAULT_FRACTION = 0.9        # nanoGPT's split of one file (data/shakespeare_char/prepare.py)
 
 
 def documents(config, split: str, source: mixture_lib.Source | None = None) -> records.Records:
@@ -22,9 +31,48 @@ def documents(config, split: str, source: mixture_lib.Source | None = None) -> r
                         named_by=f"{source.field}.text_field")
   if not d.files and not d.tfds_name:
     raise ValueError("config.data: set files (a glob of your text), tfds_name (a TFDS dataset) or mixture (several)")
-  return records.read(split, d.text_field, files=d.files, tfds_name=d.tfds_name, tfds_data_dir=d.tfds_data_dir,
+  docs = records.read(split, d.text_field, files=d.files, tfds_name=d.tfds_name, tfds_data_dir=d.tfds_data_dir,
                       documents=True, origin="config.data.files" if d.files else "config.data.tfds_name",
                       named_by="config.data.text_field")
+  fraction = _train_fraction(config, split)
+  if not fraction:
+    return docs
+  cut = int(len(docs) * fraction)
+  if not 0 < cut < len(docs):
+    _say_once(f"data: data.files has no {{split}} and {len(docs)} document(s), too few to hold out an eval: it "
+              "evaluates on the training text (name a file per split with {split}, or separate documents by blank "
+              "lines)")
+    return docs
+  if not d.split_fraction:
+    _say_once(f"data: data.files has no {{split}}: training on the first {fraction:.0%} of its documents, evaluating "
+              f"on the last {1 - fraction:.0%} (data.split_fraction sets the cut)")
+  return docs.sliced((str(cut), "") if split == d.eval_split != d.train_split else ("", str(cut)))
+
+
+def _train_fraction(config, split: str) -> float:
+  """The first fraction of config.data.files' documents that trains, the rest evaluating, when every split reads the
+  same files (no {split} in data.files, no slice in `split` or the config's split names: a slice picks the records
+  itself): data.split_fraction, else DEFAULT_FRACTION. 0 when the splits are the files' own, or TFDS's, or when
+  train_split and eval_split name one split (an eval on the training text asked for)."""
+  d = config.data
+  if d.split_fraction:
+    if not 0 < d.split_fraction < 1:
+      raise ValueError(f"config.data.split_fraction={d.split_fraction} must be in (0, 1) (0 = the default)")
+    if not d.files or "{split}" in d.files:
+      raise ValueError(f"config.data.split_fraction cuts one text: set config.data.files to its file(s) without "
+                       f"{{split}}, got {d.files!r}")
+    return d.split_fraction
+  sliced = any(records.split_spec(name)[1] for name in (split, d.train_split, d.eval_split))
+  one = d.files and "{split}" not in d.files and d.train_split != d.eval_split
+  return DEFAULT_FRACTION if one and not sliced else 0.0
+
+
+@functools.cache
+def _say_once(line: str):
+  """A console line about the data, once per process (the tokenizer, train and eval streams all read it), from the
+  lead process only (not from data.workers or lm_jax.prepare's worker processes)."""
+  if distributed.is_lead() and multiprocessing.parent_process() is None:
+    print(line, flush=True)
 
 
 def training_text(config, max_chars: int) -> list[str]:

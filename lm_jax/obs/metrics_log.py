@@ -258,6 +258,8 @@ def console(record: dict, total_steps: int, seconds_per_step: float | None = Non
       parts.append(f"{v:,.0f} tok/s")
     elif k == "mfu":
       parts.append(f"mfu {100 * v:.1f}%")
+    elif k == "bad_records":
+      parts.append(f"{v:,} bad records skipped")
     elif k in ("lr", "eval_perplexity"):
       parts.append(f"{k} {v:.3g}")
     else:
