@@ -2,6 +2,7 @@
 model (HF directory or workdir), freezing, the classify objective's metrics and predictions, and the real
 all-MiniLM-L6-v2 fine-tuned on the offline SST-2."""
 import json
+import os
 import shutil
 import time
 import types
@@ -308,7 +309,10 @@ def test_finetune_from_a_workdir_then_eval_and_predict_it(frozen_run, sst2, tmp_
   train.train(config, str(tmp_path))
   record = run_eval.evaluate_checkpoint(config, str(tmp_path))
   assert record["step"] == 1 and 0 <= record["eval_accuracy"] <= 1 and "eval_matthews" in record
+  (tmp_path / "precious").write_text("mine")   # a link placed where predict writes: replaced, never written through
+  (tmp_path / "predictions_test__50_.tsv").symlink_to(tmp_path / "precious")
   path, metrics = predict.predict(*run_eval.restore_params(config, str(tmp_path))[:2], str(tmp_path))
+  assert (tmp_path / "precious").read_text() == "mine" and not os.path.islink(path)
   lines = open(path).read().splitlines()
   assert lines[0] == "index\tprediction" and [int(l.split("\t")[0]) for l in lines[1:]] == list(range(50))
   assert {l.split("\t")[1] for l in lines[1:]} <= {"0", "1"} and 0 <= metrics["test_accuracy"] <= 1

@@ -292,6 +292,10 @@ def test_sweep_toy_two_budgets_two_sizes(tmp_path, capsys, shared_data):
   """The smallest IsoFLOP sweep: 2 budgets x 2 sizes of tiny decoders trained by lm_jax.train."""
   import csv
   work = tmp_path / "sweep"
+  work.mkdir()
+  (tmp_path / "precious").write_text("mine")   # links placed where the sweep writes: replaced, never written through
+  for name in ("runs.csv", "fit.json"):
+    (work / name).symlink_to(tmp_path / "precious")
   out = _cli(capsys, "sweep", "--workdir", str(work), "--budgets", "3e8,6e8", "--sizes", "1x16,1x32",
              "--data", str(shared_data / "tiny_shakespeare" / "input.txt"), "--train_split", "train[:90%]",
              "--eval_split", "train[90%:]", "--vocab", "256", "--seq_len", "32", "--batch", "4",
@@ -308,3 +312,4 @@ def test_sweep_toy_two_budgets_two_sizes(tmp_path, capsys, shared_data):
   assert small["600000000.0"] < small["300000000.0"]               # twice the tokens: lower loss
   assert out["runs"] == 4 and {"E", "A", "B", "alpha", "beta", "a", "b"} <= set(out)
   assert (work / "fit.png").exists() and (work / "fit.json").exists()
+  assert (tmp_path / "precious").read_text() == "mine" and not (work / "runs.csv").is_symlink()

@@ -6,7 +6,7 @@ import string
 import jax
 import numpy as np
 
-from lm_jax import decoding, distributed, params as params_lib, sharding, step
+from lm_jax import decoding, distributed, params as params_lib, sharding, step, storage
 from lm_jax.data import pipeline
 from lm_jax.evals import evaluate
 
@@ -35,10 +35,11 @@ def eval_record(objective, outputs: list, text_per_token: dict | None = None) ->
 
 
 def _write(path: str, lines: list[str]):
+  """Written under a new name, then renamed over `path`: whole or not at all, never through a link placed there."""
   if distributed.is_lead():
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-      f.write("index\tprediction\n" + "".join(line + "\n" for line in lines))
+    text = "index\tprediction\n" + "".join(line + "\n" for line in lines)
+    os.replace(storage.write_new(os.path.dirname(path), ".predictions-", text.encode()), path)
 
 
 def predict(s, params, workdir: str) -> tuple[str, dict]:

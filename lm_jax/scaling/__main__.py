@@ -78,6 +78,7 @@ def main(argv=None):
     out = fit_runs(fit.read_runs(args.runs), plot=args.plot, bootstrap=args.bootstrap, seed=args.seed,
                    level=args.ci)
   else:
+    from lm_jax import storage
     from lm_jax.scaling import fit, sweep
     sweep.run_sweep(args.workdir, [float(v) for v in args.budgets.split(",")], sweep.parse_sizes(args.sizes),
                     min_steps=args.min_steps, data_files=args.data, train_split=args.train_split,
@@ -86,8 +87,8 @@ def main(argv=None):
     runs_csv = os.path.join(args.workdir, "runs.csv")
     out = fit_runs(fit.read_runs(runs_csv), plot=os.path.join(args.workdir, "fit.png"), bootstrap=args.bootstrap)
     out["runs_csv"] = runs_csv
-    with open(os.path.join(args.workdir, "fit.json"), "w") as fh:
-      json.dump(out, fh, indent=1)
+    fit_json = storage.write_new(args.workdir, ".fit-", json.dumps(out, indent=1).encode())   # never through a link
+    os.replace(fit_json, os.path.join(args.workdir, "fit.json"))
   print(json.dumps(out))
 
 

@@ -10,12 +10,13 @@ length (Chinchilla §3.1). Finished runs are read back, so an interrupted sweep 
 import contextlib
 import csv
 import glob
+import io
 import os
 import pathlib
 import sys
 import time
 
-from lm_jax import config_lib, flops, models, objectives, train
+from lm_jax import config_lib, flops, models, objectives, storage, train
 from lm_jax.data import tokenizer
 from lm_jax.obs import metrics_log
 
@@ -101,8 +102,10 @@ def run_sweep(workdir, budgets, sizes, *, min_steps=20, log=sys.stderr, **data_a
     rows.append(dict(budget=budget, N=n, D=d, C=6.0 * n * d, loss=loss, layers=layers, d_model=d_model, steps=steps,
                      flops=steps * c.batch_size * objectives.get(c.objective).flops_per_example(c),
                      seconds=round(time.perf_counter() - t, 1)))
-  with open(os.path.join(workdir, "runs.csv"), "w", newline="") as f:
-    writer = csv.DictWriter(f, COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
+  text = io.StringIO(newline="")
+  writer = csv.DictWriter(text, COLUMNS)
+  writer.writeheader()
+  writer.writerows(rows)
+  # under a new name, then renamed: never written through a link placed at runs.csv
+  os.replace(storage.write_new(workdir, ".runs-", text.getvalue().encode()), os.path.join(workdir, "runs.csv"))
   return rows
