@@ -96,7 +96,7 @@ def plot(found: list[dict], swept: list[str], metric: str) -> bytes:
   ax = fig.add_subplot()
   xs = [g["values"][x_field] for g in found]
   numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
-  if numeric and min(xs) > 0 and max(xs) >= 10 * min(xs):
+  if numeric and min(xs) > 0 and max(xs) >= 2 * min(xs):
     ax.set_xscale("log")
   ticks = {x: i for i, x in enumerate(dict.fromkeys(map(grid.text, xs)))}
   lines = {}

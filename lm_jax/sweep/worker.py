@@ -179,7 +179,8 @@ def _train_trial(spec, root, t: grid.Trial, retries: int, stop: Stop, busy: dict
     if stop.requested:   # checkpointed on the signal: the next worker resumes it
       print(f"sweep: {t.name}: stopped at step {last}; a worker started later resumes it", flush=True)
       return
-    error = error or f"exit code {code} at step {last} of {t.end}"
+    error = (f"killed by {signal.Signals(-code).name} at step {last}" if code < 0 else
+             error or f"exit code {code} at step {last} of {t.end}")
     print(f"sweep: {t.name}: attempt {attempt} failed: {error}", flush=True)
   write_json(path(folder, FAILED), {"error": error, "exit_code": code, "attempts": retries + 1, "failed": _now()})
 
