@@ -53,17 +53,22 @@ def swept(shared_data, tmp_path_factory):
   logs = {name: tmp / f"{name}.log" for name in "ABC"}
   files = {name: open(p, "w") for name, p in logs.items()}
   procs = {name: worker(root, flags, env, f) for name, f in files.items()}
-  deadline, victim = time.time() + 200, None
-  while victim is None:
-    assert procs["A"].poll() is None and time.time() < deadline, logs["A"].read_text()[-3000:]
-    started = re.search(r"sweep: (\S+): start", logs["A"].read_text())
-    if started and (root / started[1] / "checkpoints" / "2").is_dir():   # complete: orbax renames it into place
-      victim = started[1]
-    time.sleep(0.05)
-  os.killpg(procs["A"].pid, signal.SIGKILL)
-  codes = [procs[name].wait(timeout=300) for name in "ABC"]
-  for f in files.values():
-    f.close()
+  try:
+    deadline, victim = time.time() + 200, None
+    while victim is None:
+      assert procs["A"].poll() is None and time.time() < deadline, logs["A"].read_text()[-3000:]
+      started = re.search(r"sweep: (\S+): start", logs["A"].read_text())
+      if started and (root / started[1] / "checkpoints" / "2").is_dir():   # complete: orbax renames it into place
+        victim = started[1]
+      time.sleep(0.05)
+    os.killpg(procs["A"].pid, signal.SIGKILL)
+    codes = [procs[name].wait(timeout=300) for name in "ABC"]
+  finally:   # a failed test leaves no worker behind
+    for proc in procs.values():
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    for f in files.values():
+      f.close()
   assert codes == [-signal.SIGKILL, 0, 0], logs["B"].read_text()[-3000:]
   return root, {name: p.read_text() for name, p in logs.items()}, victim, flags
 
@@ -101,7 +106,8 @@ def test_collect_reads_each_trials_metrics(swept):
     recs = metrics_log.read(root / row["trial"] / "metrics.jsonl")
     evals = [r["eval_loss"] for r in recs if "eval_loss" in r]
     assert float(row["final_eval_loss"]) == evals[-1] and float(row["best_eval_loss"]) == min(evals)
-    assert int(row["steps"]) == STEPS and row["status"] == "done" and float(row["wall_s"]) > 0
+    wall = sum(r.get(k, 0.0) for r in recs for k in metrics_log.TIME_SPLIT)
+    assert int(row["steps"]) == STEPS and row["status"] == "done" and float(row["wall_s"]) == round(wall, 3) > 0
     assert {row["model.initializer_range"], row["data.shuffle"], row["seed"]} <= {"0.02", "0.05", "True", "False",
                                                                                    "0", "1"}
   lines = out.stdout.splitlines()
