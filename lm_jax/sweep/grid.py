@@ -34,17 +34,16 @@ def trials(spec: str, overrides: list[str], grid: list[str], seeds: int | None) 
   chosen = hyper.product(*[_grid_flag(base, g) for g in grid]) if grid else _config_sweep(spec, seeds)
   if seeds is not None:
     chosen = hyper.product(chosen, hyper.sweep(SEED, range(seeds)))
-  fixed = {o.removeprefix("--config.").partition("=")[0]: None for o in overrides}
-  fixed = {f: config_lib.fields(base)[f] for f in fixed}
+  given = config_lib.fields(base)
+  fixed = {f: given[f] for f in (o.removeprefix("--config.").partition("=")[0] for o in overrides)}
   out = {}
   for swept in chosen:
     config = config_lib.override(copy.deepcopy(base), swept)
     values = config_lib.fields(config)
     swept = {f: values[f] for f in swept}
-    t = Trial(_name(spec, fixed, swept), swept, fixed, (*overrides, *(f"--config.{f}={text(v)}" for f, v in
-                                                                     swept.items())),
-              config.phase_end_step or config.total_steps)
-    out.setdefault(t.name, t)
+    args = (*overrides, *(f"--config.{f}={text(v)}" for f, v in swept.items()))
+    t = Trial(_name(spec, fixed, swept), swept, fixed, args, config.phase_end_step or config.total_steps)
+    out.setdefault(t.name, t)   # a trial given twice runs once
   return list(out.values())
 
 
