@@ -82,7 +82,7 @@ def text(value) -> str:
 
 
 def _name(spec: str, fixed: dict, swept: dict) -> str:
-  """'lr0.003_d_model64_seed1-1a2b3c4d': the swept values (letters, digits, - . _ only: safe in a gs:// path), then
+  """'lr0.003_d-model64_seed1-1a2b3c4d': the swept values (letters, digits, - . _ only: safe in a gs:// path), then
   a hash of the config and every override."""
   readable = "_".join(re.sub(r"[^A-Za-z0-9.-]+", "-", f"{f.rpartition('.')[2]}{text(v)}") for f, v in swept.items())
   digest = hashlib.sha256(json.dumps({"config": spec, "overrides": {**fixed, **swept}}, sort_keys=True,
