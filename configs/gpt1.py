@@ -36,3 +36,12 @@ def get_config(arg="gpt1"):
     m.max_positions = 128
     c.optimizer.lr = 1e-3
   return c
+
+
+def get_sweep(arg="gpt1"):
+  """`python -m lm_jax.sweep run --config=configs/gpt1.py:tiny --root=DIR`: the learning rate around the config's,
+  2x apart; tiny's also at two widths (docs/sweeps.md)."""
+  from lm_jax.sweep import hyper
+  lr = get_config(arg).optimizer.lr
+  lrs = hyper.sweep("optimizer.lr", [lr / 2, lr, 2 * lr])
+  return hyper.product(lrs, hyper.sweep("model.d_model", [64, 128])) if arg == "tiny" else lrs

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ENTRY_POINTS = {"lm_jax.main", "lm_jax.scaling.__main__"}   # may import inside functions: startup time only
+ENTRY_POINTS = {"lm_jax.main", "lm_jax.scaling.__main__",   # may import inside functions: startup time only
+                "lm_jax.sweep.__main__"}
 _TRAINERS = ("lm_jax.train", "lm_jax.loop", "lm_jax.rlhf", "lm_jax.init_from", "lm_jax.evals.predict")
 # The arrows of docs/architecture.md as what each part must NOT import (module-name prefixes).
 FORBIDDEN = {
