@@ -135,8 +135,8 @@ def _run(config, mode):
   if os.path.isfile(_WORKDIR.value):
     raise app.UsageError(f"--workdir={_WORKDIR.value} is a file; a workdir is a directory")
   from lm_jax import checkpoint, distributed, storage, workdir_lock
-  if storage.url_unsafe(_WORKDIR.value):
-    raise app.UsageError(f"--workdir={_WORKDIR.value}: {storage.url_unsafe(_WORKDIR.value)!r} in a remote workdir's "
+  if unsafe := storage.url_unsafe(_WORKDIR.value):
+    raise app.UsageError(f"--workdir={_WORKDIR.value}: {unsafe!r} in a remote workdir's "
                          "name is URL or glob syntax to the storage libraries (its files would land elsewhere); use "
                          "letters, digits and - _ . ~ /")
   distributed.maybe_initialize()
