@@ -103,14 +103,14 @@ def main():
   parser.add_argument("--quick", action="store_true", help="tiny configs on WikiText-2 valid: a smoke test")
   parser.add_argument("--workdir", default="", help="tokenizer and prepared shards cache (default: a temporary one)")
   parser.add_argument("--json", default="", help="also write the rows here (a full run writes them to "
-                      "bench/input_rates.json too: the measurement --mode=compile's input line reads)")
+                      "lm_jax/plan/input_rates.json too: the table --mode=compile's input line reads)")
   args = parser.parse_args()
   data = args.data or f"{DATA}/wikitext-2-raw/wiki.{'valid' if args.quick else 'train'}.raw"
   print(f"{os.cpu_count()} CPUs; load average at start {os.getloadavg()[0]:.1f}; {data}", flush=True)
   with tempfile.TemporaryDirectory() as tmp:
     rows = run(data, 2 if args.quick and args.batches == 8 else args.batches, args.quick, args.workdir or tmp)
   print(f"load average at end {os.getloadavg()[0]:.1f}")
-  for path in [args.json] + ([] if args.quick else [str(REPO / "bench" / "input_rates.json")]):
+  for path in [args.json] + ([] if args.quick else [str(REPO / "lm_jax" / "plan" / "input_rates.json")]):
     if path:
       with open(path, "w") as f:
         json.dump(rows, f, indent=1)

@@ -1,11 +1,11 @@
-"""lm_jax.data.input_rate: the tokens/s per host a planned step needs, beside the cached per-core measurement of the
+"""lm_jax.plan.input_rate: the tokens/s per host a planned step needs, beside the cached per-core measurement of the
 same objective at the nearest seq_len, and the cores each input takes."""
 import json
 
 import pytest
 
 from lm_jax import config_lib
-from lm_jax.data import input_rate
+from lm_jax.plan import input_rate
 
 
 def _row(objective, nsp, seq_len, kind, rate, load=2.0):

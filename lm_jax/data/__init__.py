@@ -7,5 +7,4 @@ processes: workers.py) or reading shards tokenized once (prepare.py, prepared.py
 tokenizer.load_or_train(config, workdir, family) -> Tokenizer   (family: lm_jax.models.family(config.model), handed in)
 pipeline.make_train_iterator / make_eval_iterator(config, tokenizer, objective, process_index=, process_count=)
 rows.Stream / rows.PerDocument: the two row layouts an objective chooses from
-input_rate.plan(config, tokens_per_second, hosts): the input a planned step needs, beside this pipeline's rate
 """

@@ -13,7 +13,7 @@ where it is right: on TPU, without a scanned layer stack or microbatch loop (a s
 includes remat's recomputation; the CUDA compiler gives none. Predicted time = our FLOPs / (peak x MFU), peak from
 lm_jax.plan.hardware's table, the MFU stated; communication is not modelled. The input line says how many tokens/s
 per host that step needs and how many cores this pipeline takes for it, on the fly and prepared
-(lm_jax.data.input_rate, from bench/data_throughput.py's cached measurement).
+(lm_jax.plan.input_rate, from bench/data_throughput.py's measurement, kept in lm_jax/plan/input_rates.json).
 """
 import importlib.util
 import json
@@ -25,9 +25,8 @@ import numpy as np
 from flax import linen as nn
 
 from lm_jax import checks, config_lib, init_from, layout as layout_lib, sharding, step
-from lm_jax.data import input_rate
 from lm_jax.models import layers
-from lm_jax.plan import hardware, memory, topology
+from lm_jax.plan import hardware, input_rate, memory, topology
 
 GiB = memory.GiB
 

@@ -1,20 +1,20 @@
 """Does the input keep up with the planned step? The tokens/s per host that a predicted step time needs, beside
 this pipeline's measured tokens/s per core, on the fly and from prepared shards, and the cores each takes.
 
-The measurement is cached: bench/data_throughput.py writes bench/input_rates.json (or the file $LM_JAX_INPUT_RATES
-names): per objective (and NSP) and seq_len, the single-process rate on WikiText-2 with the paper's config, and the
-load of the machine it ran on. The row of the same objective and the nearest seq_len is used; a loaded machine
-makes it a lower bound, so the cores are an upper bound. The cores assume the work spreads over processes; on the
-fly only tokenizing does (data.workers), and prepared input (for MLM + NSP its pairs and masks made ahead by
-lm_jax.prepare's processes) is read and batched in one process, so a need above one process's prepared rate is
-reported as short.
+The measurement is a table beside this module, input_rates.json (or the file $LM_JAX_INPUT_RATES names), that
+bench/data_throughput.py writes: per objective (and NSP) and seq_len, the single-process rate on WikiText-2 with the
+paper's config, and the load of the machine it ran on. The row of the same objective and the nearest seq_len is
+used; a loaded machine makes it a lower bound, so the cores are an upper bound. The cores assume the work spreads
+over processes; on the fly only tokenizing does (data.workers), and prepared input (for MLM + NSP its pairs and
+masks made ahead by lm_jax.prepare's processes) is read and batched in one process, so a need above one process's
+prepared rate is reported as short.
 """
 import json
 import math
 import os
 import pathlib
 
-RATES = pathlib.Path(__file__).resolve().parents[2] / "bench" / "input_rates.json"
+RATES = pathlib.Path(__file__).resolve().with_name("input_rates.json")   # the library's table; bench/ measures it
 
 
 def _rows() -> tuple[list, str]:
