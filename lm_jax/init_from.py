@@ -243,7 +243,7 @@ def eval_source(config, workdir: str) -> tuple[ml_collections.ConfigDict, str]:
 
 
 def restore_params(s, source: str) -> tuple[dict, int]:
-  """(params placed on the mesh, step) of eval_source's `source` for s (the train.Setup of eval_source's config):
+  """(params placed on the mesh, step) of eval_source's `source` for s (the setup.Setup of eval_source's config):
   a Hugging Face directory's weights (step 0), or the latest checkpoint in a workdir."""
   if source == s.config.init_from and is_hf(source):
     params = params_lib.from_pretrained(s.policy, pretrained_params(s.config, s.mesh, s.rules), fill=True)

@@ -1,72 +1,25 @@
-"""The trainer: config -> setup (objective, tokenizer, mesh, params policy, optimizer, state layout) -> init or
-restore -> a loop of jitted steps on the schedules every trainer shares, inside its session (lm_jax.loop: log, eval,
-checkpoint, preemption, resume, teardown) -> the final state. The read-only modes read a run back elsewhere:
-evals/run_eval.py (eval, restore) and checkpoint_export.py (export). Dependencies: main, rlhf and evals.run_eval
-call it; it builds on loop, step, objectives, data, sharding, checkpoint.
+"""The trainer: config -> setup (lm_jax.setup: objective, tokenizer, mesh, params policy, optimizer, state layout)
+-> init or restore -> a loop of jitted steps on the schedules every trainer shares, inside its session (lm_jax.loop:
+log, eval, checkpoint, preemption, resume, teardown) -> the final state. Its evaluators are evals/evaluators'. The
+read-only modes read a run back elsewhere: evals/run_eval.py (eval, restore) and checkpoint_export.py (export).
+Dependencies: main and rlhf call it; it builds on setup, loop, step, objectives, data, sharding, checkpoint.
 """
 import contextlib
-import dataclasses
 from typing import Callable
 
 import jax
-from etils import epath
 
-from lm_jax import (checkpoint, checks, init_from, layout as layout_lib, loop, models, objectives, params as params_lib,
-                    sharding, step, workdir_lock)
-from lm_jax.data import pipeline, tokenizer as tokenizer_lib
-from lm_jax.evals import lm_eval_adapter, predict
-from lm_jax.obs import goodput, metrics_log
+from lm_jax import checkpoint, init_from, loop, objectives, params as params_lib, sharding, step
+from lm_jax.data import pipeline
+from lm_jax.evals import evaluators
+from lm_jax.obs import goodput
 from lm_jax.plan import hardware, memory
+from lm_jax.setup import Setup, setup   # the trainers' setup: train.setup (rlhf/ppo, the tests)
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup(layout_lib.Layout):
-  """Everything a run builds from its config before the first step: its layout and its tokenizer."""
-  tokenizer: tokenizer_lib.Tokenizer
-
-
-def setup(config, workdir: str, devices=None, *, held: contextlib.ExitStack | None = None) -> Setup:
-  """Validates the config (one-line errors before anything is built), then builds the run's parts. With
-  config.init_from the model architecture and tokenizer are the pre-trained model's (init_from.resolve). A trainer
-  passes `held`, the stack its run holds: the workdir's lock (lm_jax.workdir_lock) goes into it once the config is
-  valid and before anything is written there, so a mistaken config leaves no trace and a second run writes nothing."""
-  metrics_log.quiet_libraries()
-  config = init_from.resolve(config)
-  devices = jax.devices() if devices is None else list(devices)
-  checks.validate(config, len(devices), jax.process_count())
-  lm_eval_adapter.check(config)
-  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-  if held is not None:
-    held.enter_context(workdir_lock.hold(workdir))
-  tokenizer = tokenizer_lib.load_or_train(config, workdir, models.family(config.model))
-  layout = layout_lib.build(config, sharding.make_mesh(config, devices))
-  return Setup(**vars(layout), tokenizer=tokenizer)
-
-
-def _hosts(kind: str, s: Setup, **kwargs):
-  make = pipeline.make_train_iterator if kind == "train" else pipeline.make_eval_iterator
-  return make(s.config, s.tokenizer, s.objective, process_index=jax.process_index(),
-              process_count=jax.process_count(), **kwargs)
-
-
-def make_evaluator(s: Setup) -> Callable:
-  """(params, step or None) -> eval record (without step), over the eval batches, built once; with
-  config.eval.lm_eval_tasks also the tasks' metrics at the steps lm_eval_adapter.due names (None: always)."""
-  it = _hosts("eval", s)
-  batches = list(it)
-  eval_step = step.make_eval_step(s.policy, s.objective, s.state_sharding["params"], s.mesh)
-  harness = lm_eval_adapter.Harness(s.config, s.tokenizer) if s.config.eval.lm_eval_tasks else None
-
-  def evaluate(params, i=None):
-    outputs = predict.eval_outputs(eval_step, params, batches, s.mesh)
-    record = predict.eval_record(s.objective, outputs, it.text_per_token)
-    for name, (part, per_token) in it.sources.items():   # a data mixture: each source's metrics too
-      own = predict.eval_record(s.objective, outputs[part], per_token)
-      record.update({f"eval_{name}_{k.removeprefix('eval_')}": v for k, v in own.items()})
-    if harness and (i is None or lm_eval_adapter.due(s.config, i)):
-      record.update(harness(params))
-    return record
-  return evaluate
+def _train_iterator(s: Setup):
+  return pipeline.make_train_iterator(s.config, s.tokenizer, s.objective, process_index=jax.process_index(),
+                                      process_count=jax.process_count())
 
 
 def _init_or_restore(s: Setup, mngr, train_it):
@@ -101,7 +54,7 @@ def _loop(s: Setup, state, start: int, run: loop.Session, train_it) -> tuple[dic
   """Steps start+1 .. end on the log / eval / checkpoint / preemption schedules (lm_jax.loop)."""
   c, mngr, ledger = s.config, run.mngr, run.ledger
   train_step = compile_train_step(s)
-  evaluator = make_evaluator(s) if c.eval_every else None
+  evaluator = evaluators.make(s) if c.eval_every else None
   batch_sh = sharding.batch_sharding(s.mesh)
   peak, source = hardware.peak(list(s.mesh.devices.flat), c.peak_tflops)
   loop.say(hardware.describe(peak, source))
@@ -151,7 +104,7 @@ def _train(config, workdir: str, devices, held: contextlib.ExitStack) -> dict:
   trainable, total = params_lib.count(s.policy)
   loop.say(f"parameters: {trainable:,} trainable of {total:,}")
   with loop.session(workdir, s, ledger) as run:
-    train_it = run.closes(_hosts("train", s))
+    train_it = run.closes(_train_iterator(s))
     with ledger.timing("restore"):
       state, start = _init_or_restore(s, run.mngr, train_it)
     run.open_log(start)

@@ -12,6 +12,7 @@ import pytest
 
 from lm_jax import checks, config_lib, train
 from lm_jax.data import pipeline
+from lm_jax.evals import evaluators
 from lm_jax.obs import metrics_log
 from conftest import REPO, load_config, records
 
@@ -25,7 +26,7 @@ def test_a_slow_eval_does_not_inflate_its_windows_throughput(shared_data, tmp_pa
       time.sleep(3)
       return {"eval_loss": 1.0}
     return run
-  monkeypatch.setattr(train, "make_evaluator", slow_evaluator)
+  monkeypatch.setattr(evaluators, "make", slow_evaluator)
   config = load_config("clm", shared_data, total_steps=30, log_every=10, eval_every=19, checkpoint_every=1000,
                        batch_size=16, **{"model.d_model": 128, "model.num_layers": 2, "model.d_ff": 512,
                                          "data.seq_len": 64})

@@ -53,12 +53,6 @@ def check(config):
         f"> 0 (0 = at every eval): the tasks run with the held-out eval")
 
 
-def due(config, step: int) -> bool:
-  """Whether the tasks run at the eval of `step`: every eval.lm_eval_every steps (0: every eval) and at the end."""
-  end = config.phase_end_step or config.total_steps
-  return step % (config.eval.lm_eval_every or config.eval_every) == 0 or step == end
-
-
 def metrics(results: dict) -> dict:
   """The harness' results {task: {'acc,none': ..., 'acc_stderr,none': ..., 'alias': ..., 'sample_len': ...}} ->
   {'lm_eval/task_acc': ...}: the metrics ('metric,filter' keys) that are numbers, without standard errors, the

@@ -1,4 +1,4 @@
-"""Running the eval step over eval batches (the trainer's evaluator and --mode=predict share it), and --mode=predict:
+"""Running the eval step over eval batches (the held-out evaluator and --mode=predict share it), and --mode=predict:
 the predictions of a fine-tuned model for task.test_split as a TSV."""
 import os
 import string
@@ -45,7 +45,7 @@ def _write(path: str, lines: list[str]):
 def predict(s, params, workdir: str) -> tuple[str, dict]:
   """Writes workdir/predictions_<task.test_split>.tsv ('index<TAB>prediction' per example, the index its position
   in the split, the prediction a label name when task.label_names are given): the predictions of `params` (placed
-  on s.mesh; s is the run's train.Setup, as evals.run_eval.restore_params returns both). Returns (path, metrics over the
+  on s.mesh; s is the run's setup.Setup, as evals.run_eval.restore_params returns both). Returns (path, metrics over the
   labelled examples; {} when none has a label)."""
   if not s.objective.predict:
     raise ValueError(f"config.objective={s.config.objective!r} makes no predictions (--mode=predict)")
