@@ -5,7 +5,9 @@ dodged by a function-level import is still a cycle here. Only the CLI entry poin
 """
 import ast
 import collections
+import functools
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -27,6 +29,8 @@ FORBIDDEN = {
     "lm_jax.step": ("lm_jax.objectives", "lm_jax.peft", *_TRAINERS),
     "lm_jax.loop": ("lm_jax.train", "lm_jax.step", "lm_jax.rlhf"),
     "lm_jax.train": ("lm_jax.rlhf", "lm_jax.hf", "lm_jax.checkpoint_export", "lm_jax.evals.run_eval"),   # trains only
+    "lm_jax.setup": ("lm_jax.train", "lm_jax.loop", "lm_jax.rlhf"),   # a run's setup, shared by trainers and evals
+    "lm_jax.evals": ("lm_jax.train", "lm_jax.rlhf"),   # evaluators and read-only modes build on setup, not a trainer
     "lm_jax.checkpoint": ("lm_jax.peft", "lm_jax.loop"),   # adapters reach checkpoints through the params policy
 }
 
@@ -39,6 +43,7 @@ def _modules() -> dict[str, pathlib.Path]:
   return out
 
 
+@functools.cache   # parsed once for every test here
 def _graph():
   """({module: set of lm_jax modules it imports}, [(module, imported) for imports inside functions])."""
   modules = _modules()
@@ -145,6 +150,26 @@ def test_loading_a_config_imports_no_jax():
           "'flax', 'optax', 'orbax')))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
   assert out.stdout.split() == ["['lm_jax',", "'lm_jax.config_lib',", "'lm_jax.defaults']"]
+
+
+def _paths_into_bench(source: str) -> list[str]:
+  """The string literals of a module (not its docstrings, which may cite a benchmark) that name a path in bench/."""
+  tree = ast.parse(source)
+  docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+          and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+  return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+          and id(n) not in docs and (n.value == "bench" or re.fullmatch(r"\S*(^|/)bench/\S*", n.value))]
+
+
+def test_the_library_reads_no_file_of_bench():
+  """bench/ measures the library and may write the tables it owns (lm_jax/plan/input_rates.json); lm_jax never
+  reads a file of bench/."""
+  found = {str(p.relative_to(REPO)): hits for p in (REPO / "lm_jax").rglob("*.py")
+           if (hits := _paths_into_bench(p.read_text()))}
+  assert found == {}
+  old = 'RATES = pathlib.Path(__file__).parents[2] / "bench" / "input_rates.json"\nx = f"{REPO}/bench/a.json"'
+  assert sorted(_paths_into_bench(old)) == ["/bench/a.json", "bench"]
+  assert _paths_into_bench('"""Measured by bench/decode.py."""\nsay("run bench/data_throughput.py")') == []
 
 
 def test_one_helper_names_the_lead_process():
