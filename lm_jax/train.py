@@ -1,6 +1,6 @@
 """The trainer: config -> setup (lm_jax.setup: objective, tokenizer, mesh, params policy, optimizer, state layout)
 -> init or restore -> a loop of jitted steps on the schedules every trainer shares, inside its session (lm_jax.loop:
-log, eval, checkpoint, preemption, resume, teardown) -> the final state. Its evaluators are evals/evaluators'. The
+log, eval, checkpoint, preemption, resume, teardown) -> the final state; its evaluators, evals/evaluators.py. The
 read-only modes read a run back elsewhere: evals/run_eval.py (eval, restore) and checkpoint_export.py (export).
 Dependencies: main and rlhf call it; it builds on setup, loop, step, objectives, data, sharding, checkpoint.
 """

@@ -16,7 +16,7 @@ METHODS = {"lora", "ia3", "qlora"}
 
 def _modules(root: pathlib.Path) -> list[pathlib.Path]:
   lm = root / "lm_jax"
-  files = [lm / "step.py", lm / "train.py", lm / "loop.py", *(lm / "rlhf").glob("*.py"),
+  files = [lm / "step.py", lm / "setup.py", lm / "train.py", lm / "loop.py", *(lm / "rlhf").glob("*.py"),
            *(lm / "objectives").glob("*.py")]
   return [p for p in files if p.exists()]
 
