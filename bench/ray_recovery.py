@@ -45,20 +45,29 @@ def losses(workdir):
   return [(r["step"], r["loss"]) for r in records if "loss" in r]
 
 
+def logged(workdir) -> int:
+  """The last step in a metrics.jsonl being written (complete lines only); 0 before the first."""
+  path = workdir / "metrics.jsonl"
+  lines = path.read_text().split("\n")[:-1] if path.exists() else []
+  return max([json.loads(l).get("step", 0) for l in lines], default=0)
+
+
 def ray_run(workdir, main_flags, env, kill_after=0):
   """launch/ray_train.py with 2 workers; with kill_after, SIGKILL worker 1 once that step is logged. Its output."""
   cmd = [sys.executable, str(REPO / "launch" / "ray_train.py"), "--num_workers=2", "--max_failures=1", "--",
          f"--workdir={workdir}", *main_flags]
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  out, killed = [], 0
+  out, killed, restarted = [], 0, 0.0
   reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
   reader.start()
   while proc.poll() is None:
-    if kill_after and not killed and (workdir / "metrics.jsonl").exists() and \
-        any(s >= kill_after for s, _ in losses(workdir)):
-      killed = int(re.findall(r"ray_train: worker 1 of 2: pid (\d+)", "".join(out))[-1])
+    if kill_after and not killed and logged(workdir) >= kill_after:
+      killed, killed_at = int(re.findall(r"ray_train: worker 1 of 2: pid (\d+)", "".join(out))[-1]), time.time()
       os.kill(killed, signal.SIGKILL)
-      print(f"killed Ray worker 1 (pid {killed}) after step {max(s for s, _ in losses(workdir))}", flush=True)
+      print(f"killed Ray worker 1 (pid {killed}) after step {logged(workdir)}", flush=True)
+    if killed and not restarted and len(set(re.findall(r"worker 1 of 2: pid (\d+)", "".join(out)))) == 2:
+      restarted = time.time() - killed_at
+      print(f"the new worker group's trainers started {restarted:.1f} s after the kill", flush=True)
     time.sleep(0.05)
   reader.join()
   text = "".join(out)
