@@ -55,10 +55,11 @@ def scaling(args):
     return kwargs
   sys.path.insert(0, REPO)
   from launch import slices
+  from lm_jax import config_lib
   tpu = slices.get(args.topology)
   if args.num_workers not in (0, tpu.hosts):
-    raise slices.topology.config_lib.ConfigError(f"--num_workers={args.num_workers}: a {tpu.name} slice has "
-                                                 f"{tpu.hosts} hosts, one worker each")
+    raise config_lib.ConfigError(f"--num_workers={args.num_workers}: a {tpu.name} slice has {tpu.hosts} hosts, one "
+                                 "worker each")
   return dict(num_workers=tpu.hosts, use_tpu=True, topology=tpu.grid, accelerator_type=tpu.ray_accelerator,
               resources_per_worker={"TPU": tpu.chips_per_host})
 
