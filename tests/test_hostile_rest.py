@@ -1,5 +1,6 @@
 """A hostile user's leftovers (issue 44): a symbolic link placed where an image or table is written (lm_jax.obs.plot's
-curves, the scaling fit's plot, a sweep's results.csv / results.png) is replaced, its target left as it was."""
+curves, the scaling fit's plot, a sweep's results.csv / results.png) is replaced, its target left as it was; a data
+mixture's source without {split} holds out its eval; a resume from a checkpoint made before that split says so."""
 import hashlib
 import json
 import subprocess
@@ -8,7 +9,8 @@ import sys
 import numpy as np
 
 from conftest import REPO
-from lm_jax import scaling
+from lm_jax import config_lib, models, objectives, scaling
+from lm_jax.data import mixture, pipeline, sources, tokenizer
 from lm_jax.scaling import fit, plot as scaling_plot
 from lm_jax.sweep import results
 
@@ -60,3 +62,47 @@ def test_sweep_results_replace_links(tmp_path, monkeypatch):
   results.collect(str(tmp_path / "out"))
   _replaced(csv_link, csv_target, csv_digest, b"trial,lr,seed,")
   _replaced(png_link, png_target, png_digest, PNG)
+
+
+def test_a_mixture_source_without_split_holds_out_its_eval(tmp_path, capsys):
+  """As data.files without {split}: the source's first 90% of documents train, the last 10% evaluate, said once; a
+  source with {split} keeps its files' own splits."""
+  (tmp_path / "one.txt").write_text("\n\n".join(f"one document {i}" for i in range(20)) + "\n")
+  for split in ("train", "valid"):
+    (tmp_path / f"two.{split}.txt").write_text("\n\n".join(f"two {split} {i}" for i in range(5)) + "\n")
+  config = config_lib.load("configs/gpt1.py:tiny", {
+      "data.files": "", "data.train_split": "train", "data.eval_split": "valid",
+      "data.mixture": (dict(name="one", files=str(tmp_path / "one.txt")),
+                       dict(name="two", files=str(tmp_path / "two.{split}.txt")))})
+  one, two = mixture.sources(config)
+  read = lambda split, source: [sources.documents(config, split, source)[i]
+                                for i in range(len(sources.documents(config, split, source)))]
+  assert [d.strip() for d in read("train", one)] == [f"one document {i}" for i in range(18)]
+  assert [d.strip() for d in read("valid", one)] == [f"one document {i}" for i in (18, 19)]
+  assert [d.strip() for d in read("valid", two)] == [f"two valid {i}" for i in range(5)]
+  assert capsys.readouterr().out.count("data: config.data.mixture[0].files (one) has no {split}: training on the "
+                                       "first 90% of its documents, evaluating on the last 10%") == 1
+
+
+def test_a_resume_from_a_checkpoint_without_the_held_out_rule_says_its_eval_changed(tmp_path, capsys):
+  """A data iterator state saved before data.files without {split} held out an eval has no held_out rule: the
+  resume says in one line that the evals before and after it read different text; a state with today's rule says
+  nothing."""
+  (tmp_path / "text.txt").write_text("\n\n".join(f"document {i} " * 20 for i in range(40)) + "\n")
+  c = config_lib.load("configs/gpt1.py:tiny")
+  c.data.files, c.data.train_split, c.data.eval_split = str(tmp_path / "text.txt"), "train", "valid"
+  c.model.vocab_size, c.data.tokenizer_type, c.data.seq_len, c.batch_size = 256, "char", 32, 8
+  tok = tokenizer.load_or_train(c, str(tmp_path), models.family(c.model))
+  it = pipeline.make_train_iterator(c, tok, objectives.get("clm"), prefetch=0)
+  next(it)
+  state = it.get_state()
+  assert state["held_out"] == "data.files: the first 90% of its documents train, the rest evaluate"
+  capsys.readouterr()
+  pipeline.make_train_iterator(c, tok, objectives.get("clm"), prefetch=0).set_state(state)
+  assert "resumed from a checkpoint" not in capsys.readouterr().out
+  old = {k: v for k, v in state.items() if k != "held_out"}
+  pipeline.make_train_iterator(c, tok, objectives.get("clm"), prefetch=0).set_state(old)
+  [line] = [line for line in capsys.readouterr().out.splitlines() if "resumed from a checkpoint" in line]
+  assert line == ("data: resumed from a checkpoint made before files without {split} held out an eval (its evals "
+                  "read the training text); now data.files: the first 90% of its documents train, the rest evaluate: "
+                  "evals before and after this resume read different text")
