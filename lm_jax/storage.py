@@ -62,18 +62,18 @@ def bound_upload_retries(seconds: float):
   """google-cloud-storage's default retry (tensorboardX's uploads of a gs:// workdir's TensorBoard events use it)
   given up after `seconds`, 120 s at most (its own limit): with the server gone, each TensorBoard flush of the
   training loop waited 120 s, whatever storage_retry_s said. Warnings about the workdir's storage are held (hold)
-  for about as long as a checkpoint save retries."""
+  for `seconds` + 120 s."""
   global _HOLD_S
   from google.cloud.storage import retry
   retry.DEFAULT_RETRY._timeout = retry.DEFAULT_RETRY._deadline = min(120.0, seconds)   # bound as its default
-  _HOLD_S = 2 * seconds + 10
+  _HOLD_S = seconds + 120   # the save's retries, then the steps to the next save that reports them
 
 
 def hold(message: str) -> bool:
   """Holds back a warning about a gs:// workdir's storage (the lock, metrics.jsonl, TensorBoard failing): printed
-  as 'warning: ...' after _HOLD_S, unless a save fails first with Unreachable, whose one line then names it. With the
-  server gone they all fail within seconds of that save: one line, not four. False (print it now) outside a gs://
-  run."""
+  as 'warning: ...' after _HOLD_S, or at exit, unless a save fails first with Unreachable, whose one line then names
+  it. With the server gone they all fail within seconds of that save: one line, not four. False (print it now)
+  outside a gs:// run."""
   if _HOLD_S is None:
     return False
   timer = threading.Timer(_HOLD_S, _release, (message,))
@@ -88,9 +88,17 @@ def hold(message: str) -> bool:
 
 def _release(message: str):
   with _HELD_LOCK:
-    if _HELD.pop(message, None) is None:
-      return
-  print(f"warning: {message}", file=sys.stderr, flush=True)
+    timer = _HELD.pop(message, None)
+  if timer is not None:
+    timer.cancel()
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+@atexit.register
+def _release_all():
+  """A run that ends before a held warning's time prints it (exit_at_once, after Unreachable's line, skips this)."""
+  for message in list(_HELD):
+    _release(message)
 
 
 def exit_at_once(code: int):

@@ -1,6 +1,7 @@
 """A hostile user's leftovers (issue 44): a symbolic link placed where an image or table is written (lm_jax.obs.plot's
 curves, the scaling fit's plot, a sweep's results.csv / results.png) is replaced, its target left as it was; a data
-mixture's source without {split} holds out its eval; a resume from a checkpoint made before that split says so."""
+mixture's source without {split} holds out its eval; a resume from a checkpoint made before that split says so; a gs:// run's storage warnings fold into the line of the save
+that ends it."""
 import hashlib
 import json
 import subprocess
@@ -9,8 +10,9 @@ import sys
 import numpy as np
 
 from conftest import REPO
-from lm_jax import config_lib, models, objectives, scaling
+from lm_jax import config_lib, models, objectives, scaling, storage
 from lm_jax.data import mixture, pipeline, sources, tokenizer
+from lm_jax.obs import metrics_log
 from lm_jax.scaling import plot as scaling_plot
 from lm_jax.sweep import results
 
@@ -106,3 +108,22 @@ def test_a_resume_from_a_checkpoint_without_the_held_out_rule_says_its_eval_chan
   assert line == ("data: resumed from a checkpoint made before files without {split} held out an eval (its evals "
                   "read the training text); now data.files: the first 90% of its documents train, the rest evaluate: "
                   "evals before and after this resume read different text")
+
+
+def test_storage_warnings_of_a_gs_run_fold_into_the_unreachable_line(monkeypatch, capsys):
+  """In a gs:// run (bound_upload_retries) a warning about the workdir's storage is held: a save failing with
+  Unreachable then ends its one line with it, and nothing else is printed; outside such a run warnings print at
+  once. tests/test_gcs.py kills a real server mid-run."""
+  monkeypatch.setattr(storage, "_HOLD_S", None)
+  metrics_log.warn("cannot write gs://b/run/metrics.jsonl (refused)", remote=True)
+  assert capsys.readouterr().err == "warning: cannot write gs://b/run/metrics.jsonl (refused)\n"
+  monkeypatch.setattr(storage, "_HOLD_S", 60.0)
+  metrics_log.warn("cannot renew the workdir lock gs://b/run/run.lock: timeout", remote=True)
+  metrics_log.warn("TensorBoard stopped (ConnectionError: refused); training goes on without it", remote=True)
+  metrics_log.warn("data.workers=64: using 2", remote=False)
+  error = storage.Unreachable("saving a checkpoint in gs://b/run/checkpoints failed: refused")
+  assert str(error) == ("saving a checkpoint in gs://b/run/checkpoints failed: refused (before it: cannot renew the "
+                        "workdir lock gs://b/run/run.lock: timeout; TensorBoard stopped (ConnectionError: refused); "
+                        "training goes on without it)")
+  storage._release_all()   # as at exit: nothing left held
+  assert capsys.readouterr().err == "warning: data.workers=64: using 2\n"
