@@ -1,7 +1,7 @@
 """A hostile user's leftovers (issue 44): a symbolic link placed where an image or table is written (lm_jax.obs.plot's
 curves, the scaling fit's plot, a sweep's results.csv / results.png) is replaced, its target left as it was; a data
-mixture's source without {split} holds out its eval; a resume from a checkpoint made before that split says so; a gs:// run's storage warnings fold into the line of the save
-that ends it."""
+mixture's source without {split} holds out its eval; a resume from a checkpoint made before that split says so; a
+gs:// run's storage warnings fold into the line of the save that ends it."""
 import hashlib
 import json
 import subprocess
