@@ -23,6 +23,7 @@ import posixpath
 import shutil
 import sys
 import tempfile
+import threading
 
 from etils import epath
 
@@ -42,15 +43,62 @@ class StorageError(OSError):
 class Unreachable(StorageError):
   """The storage stopped answering mid-run (a checkpoint save whose retries ran out). The command line then exits
   right after its one line (exit_at_once): tensorboardX's exit-time upload would retry for two minutes more and print
-  a 40-line traceback, for events that cannot be written anyway."""
+  a 40-line traceback, for events that cannot be written anyway. The warnings held (hold) are folded into the line."""
+
+  def __init__(self, message: str):
+    with _HELD_LOCK:
+      held = list(_HELD)
+      for timer in _HELD.values():
+        timer.cancel()
+      _HELD.clear()
+    super().__init__(message + (f" (before it: {'; '.join(held)})" if held else ""))
+
+
+_HELD, _HELD_LOCK = {}, threading.Lock()   # warning -> the timer that prints it (hold)
+_HOLD_S = None                             # how long hold keeps a warning; None: not a gs:// run
 
 
 def bound_upload_retries(seconds: float):
   """google-cloud-storage's default retry (tensorboardX's uploads of a gs:// workdir's TensorBoard events use it)
   given up after `seconds`, 120 s at most (its own limit): with the server gone, each TensorBoard flush of the
-  training loop waited 120 s, whatever storage_retry_s said."""
+  training loop waited 120 s, whatever storage_retry_s said. Warnings about the workdir's storage are held (hold)
+  for `seconds` + 120 s."""
+  global _HOLD_S
   from google.cloud.storage import retry
   retry.DEFAULT_RETRY._timeout = retry.DEFAULT_RETRY._deadline = min(120.0, seconds)   # bound as its default
+  _HOLD_S = seconds + 120   # the save's retries, then the steps to the next save that reports them
+
+
+def hold(message: str) -> bool:
+  """Holds back a warning about a gs:// workdir's storage (the lock, metrics.jsonl, TensorBoard failing): printed
+  as 'warning: ...' after _HOLD_S, or at exit, unless a save fails first with Unreachable, whose one line then names
+  it. With the server gone they all fail within seconds of that save: one line, not four. False (print it now)
+  outside a gs:// run."""
+  if _HOLD_S is None:
+    return False
+  timer = threading.Timer(_HOLD_S, _release, (message,))
+  timer.daemon = True
+  with _HELD_LOCK:
+    if message in _HELD:
+      return True
+    _HELD[message] = timer
+  timer.start()
+  return True
+
+
+def _release(message: str):
+  with _HELD_LOCK:
+    timer = _HELD.pop(message, None)
+  if timer is not None:
+    timer.cancel()
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+@atexit.register
+def _release_all():
+  """A run that ends before a held warning's time prints it (exit_at_once, after Unreachable's line, skips this)."""
+  for message in list(_HELD):
+    _release(message)
 
 
 def exit_at_once(code: int):

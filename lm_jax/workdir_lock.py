@@ -227,7 +227,7 @@ class _GcsLock:
         return
       except Exception as e:  # noqa: BLE001  (a passing network error: the next renewal retries)
         if not self._warned:
-          metrics_log.warn(f"cannot renew the workdir lock {self.url}: {storage.describe(e)[:200]}")
+          metrics_log.warn(f"cannot renew the workdir lock {self.url}: {storage.describe(e)[:200]}", remote=True)
         self._warned = True
 
   def close(self):

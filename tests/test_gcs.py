@@ -184,8 +184,9 @@ def test_a_missing_bucket_is_one_line(gcs_server, shared_data):
 
 def test_a_server_gone_mid_run_is_one_line_and_the_last_checkpoint_survives(shared_data, tmp_path):
   """The server is killed while the run saves every 20 steps: the run exits 1 with one error line naming the
-  checkpoint directory, right after it (no exit-time upload retried for minutes, no traceback); a restarted server
-  still has the completed steps, and the run resumes from the last."""
+  checkpoint directory, right after it (no exit-time upload retried for minutes, no traceback), the lock, metrics.jsonl
+  and TensorBoard failing with it folded into that line (storage.hold); a restarted server still has the completed
+  steps, and the run resumes from the last."""
   (tmp_path / "data" / "testbucket").mkdir(parents=True)
   port, root = free_port(), tmp_path / "root"
   args = [*flags("clm", shared_data, checkpoint_every=20, log_every=20, eval_every=10**6), "--config.total_steps=400",
@@ -205,12 +206,12 @@ def test_a_server_gone_mid_run_is_one_line_and_the_last_checkpoint_survives(shar
   finally:
     run.kill()
     run.wait()
-  lines = quiet(err.read_text())
+  # orbax's own note when a save waits over a second for the one before (a loaded machine's): not lm_jax's lines
+  lines = [line for line in quiet(err.read_text()) if "] Waiting for previous save to complete took" not in line]
   errors = [line for line in lines if line.startswith("error: ")]
   assert len(errors) == 1 and errors[0].startswith("error: saving a checkpoint in gs://testbucket/k/checkpoints "
                                                    "failed: "), errors
-  assert run.returncode == 1 and all(line.startswith("warning: ") for line in lines if line not in errors), lines
-  assert len(lines) <= 4, lines   # the error; a warning each from the lock, metrics.jsonl and TensorBoard at most
+  assert run.returncode == 1 and lines == errors, lines
   server = start_gcs(tmp_path / "data", port, root)
   try:
     resumed = cli(*[a.replace("total_steps=400", "total_steps=81") for a in args], env=gcs_env(port))

@@ -185,8 +185,9 @@ class TrainIterator:
   checkpoints; a thread prepares batches ahead."""
 
   def __init__(self, streams: list, corpora: list, transform, *, seed: int, rows_per_shard: int, local: slice,
-               prefetch: int = 2):
+               prefetch: int = 2, held_out: str = ""):
     self._streams, self._corpora, self._transform, self._seed = streams, corpora, transform, seed
+    self._held_out = held_out     # sources.held_out's rule, kept in the state
     self._rows_per_shard, self._local, self._prefetch = rows_per_shard, local, prefetch
     self._batch_index = 0
     self._consumed = self._snapshot()
@@ -225,12 +226,14 @@ class TrainIterator:
     """JSON-serialisable position after the last batch returned: the batch index and the state of the
     shards this host reads (checkpoint.data_state merges every host's shards); a mixture's shard state holds
     every source's."""
-    return {"batch_index": self._consumed["batch_index"], "shards": dict(self._consumed["shards"])}
+    return {"batch_index": self._consumed["batch_index"], "shards": dict(self._consumed["shards"]),
+            **({"held_out": self._held_out} if self._held_out else {})}
 
   def set_state(self, state: dict):
     missing = [str(s.shard) for s in self._streams if str(s.shard) not in state.get("shards", {})]
     if missing:
       raise ValueError(f"data iterator state has no position for data shard(s) {', '.join(missing)}")
+    sources.resumed_with(state.get("held_out", ""), self._held_out)
     self._halt()
     self._batch_index = state["batch_index"]
     for s in self._streams:
@@ -375,7 +378,7 @@ def make_train_iterator(config, tokenizer, objective, *, process_index: int = 0,
   offset = first * rows_per_shard
   return TrainIterator(streams, list(corpora.values()), transform, seed=config.seed,
                        rows_per_shard=rows_per_shard, local=slice(local.start - offset, local.stop - offset),
-                       prefetch=prefetch)
+                       prefetch=prefetch, held_out=sources.held_out(config))
 
 
 def make_eval_iterator(config, tokenizer, objective, *, process_index: int = 0,

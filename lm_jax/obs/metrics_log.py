@@ -34,9 +34,9 @@ TIME_SPLIT = tuple(f"{k}_s" for k in goodput.SPLIT)   # a train record's time sp
 WALL_CLOCK = ("tokens_per_sec", "mfu", *TIME_SPLIT)    # fields that depend on timing, not on the computation
 
 
-def warn(message: str):
-  """'warning: ...' on stderr, from process 0 only."""
-  if distributed.is_lead():
+def warn(message: str, remote: bool = False):
+  """'warning: ...' on stderr, from process 0 only; `remote`: about a gs:// workdir's storage (storage.hold)."""
+  if distributed.is_lead() and not (remote and storage.hold(message)):
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -161,7 +161,7 @@ class MetricsLog:
       yield
     except Exception as e:  # noqa: BLE001 - tensorboardX and wandb raise their own types
       warn(f"{name} stopped ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
-           "training goes on without it")
+           "training goes on without it", remote=self.remote and attr == "tb")
       setattr(self, attr, None)
 
   def _catch_writer_thread(self):
@@ -208,7 +208,8 @@ class MetricsLog:
     try:
       yield
     except OSError as e:
-      warn(f"cannot write {self.path} ({e.strerror or e}); this run's metrics are not recorded there")
+      warn(f"cannot write {self.path} ({e.strerror or e}); this run's metrics are not recorded there",
+           remote=self.remote)
       self.writable = False
 
   def write(self, record: dict):

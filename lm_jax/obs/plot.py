@@ -7,16 +7,19 @@ tokens/s. The first row is over steps, the second
 over training tokens (train records' `tokens`; eval records at the same step's count). Each run has its colour, train
 curves are solid, eval curves dashed.
 
-Dependencies: metrics_log only; nothing imports it.
+Dependencies: metrics_log and storage; the scaling fit's plot writes through `save`.
 """
 import argparse
+import io
 import math
+import os
 import pathlib
 import sys
 
 import matplotlib
 from matplotlib.figure import Figure
 
+from lm_jax import storage
 from lm_jax.obs import metrics_log
 
 PANELS = ("loss", "perplexity", "accuracy", "tokens/s")
@@ -93,6 +96,19 @@ def out_path(out: str) -> pathlib.Path:
   return path
 
 
+def save(fig, path, **kwargs):
+  """fig as a local image file (its format from the extension), written under a new name and renamed over `path`:
+  never through a link placed at `path` (savefig would open the link's target)."""
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format=pathlib.Path(path).suffix[1:].lower(), **kwargs)
+  tmp = storage.write_new(os.path.dirname(path) or ".", f".{os.path.basename(path)}.", buffer.getvalue())
+  try:
+    os.replace(tmp, path)
+  except OSError:
+    os.remove(tmp)
+    raise
+
+
 def step_records(path) -> list[dict]:
   """The records of a metrics.jsonl that have a numeric `step` (x-axis); one warning for those without."""
   records = metrics_log.read(path)
@@ -125,7 +141,7 @@ def main(argv=None):
   except ValueError as e:
     sys.exit(f"lm_jax.obs.plot: {e} ({', '.join(args.workdirs)})")
   try:
-    fig.savefig(out, dpi=120)
+    save(fig, out, dpi=120)
   except OSError as e:
     sys.exit(f"lm_jax.obs.plot: cannot write --out={out} ({e.strerror or e})")
   print(f"wrote {out}")

@@ -5,6 +5,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lm_jax.obs import plot as obs_plot  # noqa: E402
 from lm_jax.scaling import fit as fitting  # noqa: E402
 
 
@@ -50,5 +51,5 @@ def plot_fit(runs, law, approach2, path):
   ax3.legend(fontsize=8)
   fig.suptitle(f"L(N, D) = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f} + {law.B:.4g}/D^{law.beta:.3f}")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  obs_plot.save(fig, path, dpi=110)   # never through a link placed at path
   plt.close(fig)

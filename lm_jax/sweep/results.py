@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import math
+import os
 import statistics
 
 from matplotlib.figure import Figure
@@ -26,14 +27,12 @@ def collect(root: str, metric: str = "eval_loss", target: float | None = None) -
   out = csv.DictWriter(buffer, ["trial", *fields, f"final_{metric}", f"best_{metric}", "steps", "wall_s", "status"])
   out.writeheader()
   out.writerows(rows)
-  with storage.open(worker.path(root, "results.csv"), "wb") as f:
-    f.write(buffer.getvalue().encode())
+  _write(worker.path(root, "results.csv"), buffer.getvalue().encode())
   found = groups(rows, fields, metric)
   print(table(found, metric, target))
   swept = [f for f in fields if f != grid.SEED]
   if swept and found:
-    with storage.open(worker.path(root, "results.png"), "wb") as f:
-      f.write(plot(found, swept, metric))
+    _write(worker.path(root, "results.png"), plot(found, swept, metric))
   print(f"wrote {worker.path(root, 'results.csv')}" + (" and results.png" if swept and found else ""))
   return found
 
@@ -87,6 +86,16 @@ def table(found: list[dict], metric: str, target: float | None) -> str:
   else:
     lines.append(f"no finished trial has {metric}")
   return "\n".join(lines)
+
+
+def _write(url: str, data: bytes):
+  """A remote object uploaded at once; a local file written beside and renamed over (never through a link placed
+  there)."""
+  if storage.is_remote(url):
+    with storage.open(url, "wb") as f:
+      f.write(data)
+  else:
+    os.replace(storage.write_new(os.path.dirname(url) or ".", ".results-", data), url)
 
 
 def plot(found: list[dict], swept: list[str], metric: str) -> bytes:

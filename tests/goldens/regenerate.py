@@ -64,11 +64,12 @@ METRIC = {"ppo": "policy_loss"}   # an objective whose records name their loss o
 # group (a golden file): its mesh. The 8-device mesh runs one model of each layout (encoder, decoder,
 # encoder-decoder): all runs on it do not fit test_goldens' minute on 2 cores.
 MESHES = {"1_device": {}, "8_devices": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
-# The runs of each subprocess (group, run), about as long; a run's gpt_classify and its clm run share one.
-WORKERS = [[("1_device", name) for name in RUNS if not name.startswith("t5")],
+# The runs of each subprocess (group, run), as long as can be on 2 cores; gpt_classify shares its clm run's.
+WORKERS = [[("1_device", name) for name in RUNS if not name.startswith(("t5", "nanogpt"))],
            [("8_devices", "bert_mlm"), ("8_devices", "gpt_clm"), ("8_devices", "t5_span_corruption"),
-            ("1_device", "t5_span_corruption"), ("1_device", "t5_text_to_text")]]
-# --mode=compile's memory per device: the configs' tiny models (d_model 128: test_aot.py says why) on two topologies.
+            ("1_device", "t5_span_corruption"), ("1_device", "t5_text_to_text"), ("1_device", "nanogpt_clm")]]
+# --mode=compile's memory per device: the configs' tiny models (d_model 128: test_aot.py says why) on two topologies,
+# two of the compiles tests/test_aot.py makes (it compares them with the golden: the test compiles nothing twice).
 COMPILE = ["model.num_layers=1", "data.seq_len=32", "data.max_predictions_per_seq=5", "batch_size=16", "eval_every=0"]
 MEMORY = {f"gpt1_{topo}": ("configs/gpt1.py:tiny", COMPILE, topo) for topo in ("v5e-16", "h100-8")}
 MEMORY_FIELDS = ("arguments", "temporaries", "code", "total")
@@ -167,10 +168,9 @@ def memory_entries(got: dict) -> dict:
                  **{k: m[k] for k in MEMORY_FIELDS}} for name, m in got.get("memory", {}).items()}
 
 
-def start(data: pathlib.Path) -> dict:
-  """Every subprocess, side by side: {worker index or 'compile_memory': process}."""
-  memory = ["compile_memory"] if os.environ.get("LM_JAX_AOT_PYTHON") else []
-  return {worker: spawn(worker, data) for worker in [*range(len(WORKERS)), *memory]}
+def start(data: pathlib.Path, memory: bool = False) -> dict:
+  """The loss workers side by side, with the compile driver if `memory`: {worker index or 'compile_memory': process}."""
+  return {worker: spawn(worker, data) for worker in [*range(len(WORKERS)), *(["compile_memory"] if memory else [])]}
 
 
 def losses(procs: dict) -> dict:
@@ -202,7 +202,7 @@ def main():
     return
   if not args.reason:
     parser.error("--reason is required: say why the goldens move")
-  procs = start(pathlib.Path(args.data))
+  procs = start(pathlib.Path(args.data), memory=bool(os.environ.get("LM_JAX_AOT_PYTHON")))
   header = {"reason": args.reason, "date": datetime.date.today().isoformat(), "commit": _commit()}
   try:
     results = {group: {**got, "xla_flags": XLA_FLAGS} for group, got in losses(procs).items()}
