@@ -3,16 +3,28 @@
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
-import numpy as np
-import pytest
+# One persistent compilation cache for the session (unless the caller set one), made before jax is imported: the
+# xdist workers and every CLI subprocess inherit it, so a step that many tests compile alike (the tiny setup below)
+# compiles once. A size limit makes JAX lock the folder around each read and write, so two workers never read a
+# half-written entry.
+_SESSION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _SESSION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lm_jax-tests-jit-")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-from lm_jax import config_lib, models
+import numpy as np  # noqa: E402 - after the cache's environment
+import pytest  # noqa: E402
+
+from lm_jax import config_lib, models  # noqa: E402
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.obs import metrics_log
 
@@ -26,6 +38,12 @@ def shared_data() -> pathlib.Path:
   if not path.is_dir():
     pytest.skip(f"offline data not found at {path} (set LM_JAX_DATA)")
   return path
+
+
+def pytest_unconfigure(config):
+  """The session's compilation cache goes with the process that made it (xdist's controller, or the only one)."""
+  if _SESSION_CACHE:
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 # Tests never reach a hub: everything is local.

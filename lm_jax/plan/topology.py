@@ -124,8 +124,11 @@ def get(name: str) -> Topology:
 
 def prepare():
   """Lets this process compile for TPU / GPU topologies on a CPU host: CPU as the only backend that runs, the CUDA
-  plugin without its CUDA-library check (it compiles; nothing runs), libtpu without its one-process lock. Call
-  before JAX starts a backend."""
+  plugin without its CUDA-library check (it compiles; nothing runs), libtpu without its one-process lock, and no
+  persistent compilation cache (JAX_COMPILATION_CACHE_DIR): it would store compile-only executables that no later
+  process can load (each read is a warning, 'PjRtCompiler must be constructed with a Client'). Call before JAX
+  starts a backend."""
+  jax.config.update("jax_enable_compilation_cache", False)
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # no TPU to guard: compiles may run side by side
   jax.config.update("jax_platforms", "cpu")
