@@ -68,8 +68,7 @@ def _validate(config, num_devices, process_count):
   require(0 <= config.phase_end_step <= config.total_steps, f"config.phase_end_step={config.phase_end_step} "
            f"must be in [0, total_steps={config.total_steps}] (0 = total_steps)")
   data, fsdp, tensor = sharding.mesh_shape(config, num_devices)
-  require(m.num_heads % tensor == 0,
-           f"config.model.num_heads={m.num_heads} is not divisible by config.mesh.tensor={tensor}")
+  models.family(m).check_mesh(m, dict(zip(sharding.AXES, (data, fsdp, tensor))))   # heads (and kv heads) vs tensor
   require(config.batch_size % process_count == 0,
            f"config.batch_size={config.batch_size} is not divisible by the {process_count} processes")
   require(config.batch_size % config.data.shards == 0,
@@ -90,6 +89,6 @@ def _check_numbers(config):
   for path, (rule, ok) in RANGES.items():
     require(ok(fields[path]), f"config.{path} must be {rule}, got {fields[path]!r}")
   m = config.model
-  for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
+  for name in [k for k in m.keys() if k.endswith("_token_id")]:   # the shared ones and the family's
     require(0 <= m[name] < m.vocab_size,
              f"config.model.{name}={m[name]} must be in [0, model.vocab_size={m.vocab_size})")

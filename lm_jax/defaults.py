@@ -1,5 +1,11 @@
 """Fields every experiment config has, with their defaults; configs/*.py override them."""
+import ast
+import functools
+import pathlib
+
 import ml_collections
+
+_MODELS = pathlib.Path(__file__).resolve().parent / "models"
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -138,27 +144,21 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def model_defaults(family: str) -> ml_collections.ConfigDict:
-  """Fields shared by every model config; the family's config fills in the sizes."""
+  """The shared model config fields (those every family has) and the family's own (family_fields); the family's
+  config fills in the sizes."""
   m = ml_collections.ConfigDict()
   m.family = family
   m.vocab_size = 0
   m.d_model = 0
   m.num_layers = 0
-  m.num_decoder_layers = 0        # T5 only; 0 = num_layers
   m.num_heads = 0
   m.head_dim = 0                  # 0 = d_model // num_heads
   m.d_ff = 0
-  m.max_positions = 512
-  m.type_vocab_size = 2
   m.activation = "gelu_tanh"
   m.gated_ffn = False
-  m.tie_embeddings = True
-  m.use_bias = True               # biases in the Dense and LayerNorm layers (GPT-2 family; nanoGPT's bias=False)
   m.layer_norm_eps = 1e-12
   m.dropout_rate = 0.1
   m.attention_dropout_rate = 0.1
-  m.relative_attention_num_buckets = 32
-  m.relative_attention_max_distance = 128
   m.initializer_range = 0.02
   m.dtype = "float32"
   m.param_dtype = "float32"
@@ -167,9 +167,27 @@ def model_defaults(family: str) -> ml_collections.ConfigDict:
   m.attention = "xla"             # kernel: xla, cudnn (jax.nn.dot_product_attention, cuDNN on GPU), splash (TPU)
   m.pad_token_id = 0
   m.eos_token_id = 1
-  m.decoder_start_token_id = 0
   m.frozen_reference = False      # params get a 'reference' copy, frozen (DPO's reference model, objectives/dpo.py)
+  m.update(family_fields(family))
   return m
+
+
+def family_fields(family: str) -> dict:
+  """The family's own model config fields and their defaults: the `FIELDS` dict literal of
+  lm_jax/models/<family>.py (its Family record's `fields`), read from the source so that loading a config imports
+  no jax."""
+  path = _MODELS / f"{family}.py"
+  if not (isinstance(family, str) and family.isidentifier() and path.is_file()):
+    raise ValueError(f"unknown model.family {family!r}: no lm_jax/models/<family>.py declares it")
+  return dict(_fields(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(path: pathlib.Path) -> dict:
+  for node in ast.parse(path.read_text()).body:
+    if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["FIELDS"]:
+      return ast.literal_eval(node.value)
+  raise ValueError(f"{path.name} declares no FIELDS dict of its model config fields")
 
 
 def gpt1_model() -> ml_collections.ConfigDict:

@@ -48,8 +48,14 @@ def kaplan_forward_flops_per_token(n_layer, d_model, n_ctx, d_attn=None, d_ff=No
 
 
 def attention_width(m):
-  """num_heads * head_dim of a model config: the width of the query/key/value projections (Kaplan's d_attn)."""
+  """num_heads * head_dim of a model config: the width of the query and output projections (Kaplan's d_attn)."""
   return m.num_heads * (m.head_dim or m.d_model // m.num_heads)
+
+
+def kv_width(m):
+  """num_kv_heads * head_dim: the width of the key and value projections (attention_width without grouped heads;
+  num_kv_heads 0 or absent = num_heads)."""
+  return (m.get("num_kv_heads", 0) or m.num_heads) * (m.head_dim or m.d_model // m.num_heads)
 
 
 def dense(tokens, d_in, d_out):
@@ -58,15 +64,18 @@ def dense(tokens, d_in, d_out):
 
 
 def self_attention(m, length):
-  """QKV + output projections and the two L x L attention matmuls."""
+  """Q and output projections, K and V projections (kv_width), and the two L x L attention matmuls (every query
+  head: a grouped kv head is read by each of its query heads)."""
   d_attn = attention_width(m)
-  return dense(length, m.d_model, 4 * d_attn) + 2 * 2 * length * length * d_attn
+  return (dense(length, m.d_model, 2 * d_attn) + dense(length, m.d_model, 2 * kv_width(m))
+          + 2 * 2 * length * length * d_attn)
 
 
 def cross_attention(m, q_len, kv_len):
   """Q and out projections on the queries, K and V on the encoder output, and the two q x kv matmuls."""
   d_attn = attention_width(m)
-  return dense(q_len, m.d_model, 2 * d_attn) + dense(kv_len, m.d_model, 2 * d_attn) + 2 * 2 * q_len * kv_len * d_attn
+  return (dense(q_len, m.d_model, 2 * d_attn) + dense(kv_len, m.d_model, 2 * kv_width(m))
+          + 2 * 2 * q_len * kv_len * d_attn)
 
 
 def ffn(m, length):

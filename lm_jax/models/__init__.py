@@ -1,7 +1,8 @@
 """Models API: init / abstract_params / logical_axes / apply / decoding, dispatched on model_cfg.family.
 
 A model family is the unit of extension: one module here holds its architecture and declares its `FAMILY` record
-(lm_jax.models.registry.Family: layout, Model, example_batch, config checks, FLOPs, tokenizer specials, decoding),
+(lm_jax.models.registry.Family: layout, Model, example_batch, its config fields, config checks, FLOPs, activation
+and KV-cache bytes, tokenizer specials, decoding),
 registered below with one line; its Hugging Face conversion is lm_jax/hf/<family>.py. The rest of the code asks
 `family(model_cfg)` and never compares family names.
 """
@@ -14,7 +15,7 @@ import jax
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
-from lm_jax.models import attention, bert, gpt, gpt2, layers, llama, qwen3, t5
+from lm_jax.models import attention, bert, costs, gpt, gpt2, layers, llama, qwen3, t5
 from lm_jax.models.registry import LAYOUTS, Family, family, names, register
 from lm_jax.models.variables import ADAPTERS, adapter, check_plain, of_params
 
@@ -37,12 +38,15 @@ def validate(model_cfg) -> None:
   for name in _SIZES + fam.sizes:
     if not isinstance(get(name), int) or get(name) <= 0:
       raise ValueError(f"model.{name} must be a positive integer, got {get(name)!r}")
-  for name in ("head_dim", "num_decoder_layers"):
+  for name in ("head_dim", "num_kv_heads"):
     if not isinstance(get(name, 0), int) or get(name, 0) < 0:
       raise ValueError(f"model.{name} must be a non-negative integer (0 = default), got {get(name)!r}")
   if not get("head_dim", 0) and model_cfg.d_model % model_cfg.num_heads:
     raise ValueError(f"model.num_heads={model_cfg.num_heads} does not divide model.d_model={model_cfg.d_model}; "
                      "change one or set model.head_dim")
+  if model_cfg.num_heads % costs.kv_heads(model_cfg):
+    raise ValueError(f"model.num_kv_heads={model_cfg.num_kv_heads} does not divide model.num_heads="
+                     f"{model_cfg.num_heads}")
   for name, known in (("activation", layers.ACTIVATIONS), ("dtype", layers.DTYPES), ("param_dtype", layers.DTYPES),
                       ("remat_policy", layers.REMAT_POLICIES)):
     if get(name) not in known:

@@ -8,6 +8,7 @@ A model config with num_labels > 0 (configs/finetune/bert.py) is a sequence clas
 BertForSequenceClassification): [CLS] -> pooler -> dropout -> linear 'classifier' to num_labels logits (one
 for regression), in place of the pre-training heads.
 """
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -15,9 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from lm_jax import flops
-from lm_jax.models import attention, blocks, layers
+from lm_jax.models import attention, blocks, costs, layers
 from lm_jax.models.registry import Family, Tokens
 
+FIELDS = {                 # model config fields of BERT's own, beyond defaults.model_defaults' shared ones
+    "max_positions": 512,  # learned position embeddings
+    "type_vocab_size": 2,  # token type (segment) embeddings
+}
 HEADS = ("mlm", "nsp", "classifier")   # on top of BertModel (embeddings + layers + pooler)
 
 
@@ -108,8 +113,8 @@ def forward_flops(cfg, lengths) -> float:
 
 FAMILY = Family(
     name="bert", layout="encoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
-    sizes=("max_positions", "type_vocab_size"), check_config=check_config, heads=HEADS, learned_positions=True,
-    head_transform=True,
+    fields=FIELDS, sizes=("max_positions", "type_vocab_size"), check_config=check_config, heads=HEADS,
+    learned_positions=True, activation_bytes=functools.partial(costs.one_stack, head_transform=True),
     tokens=Tokens(spm=dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
                            control_symbols=["[CLS]", "[SEP]", "[MASK]"]),
                   required=("pad_id", "cls_id", "sep_id", "mask_id"), template=("cls_id", "$A", "sep_id"),

@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from lm_jax import flops
-from lm_jax.models import attention, blocks, layers, relayout
+from lm_jax.models import attention, blocks, costs, layers, relayout
 from lm_jax.models.registry import Family, Tokens
+
+FIELDS = {"max_positions": 512}   # learned position embeddings; beyond defaults.model_defaults' shared fields
 
 HEADS = ("classifier",)
 
@@ -138,5 +140,6 @@ def decode_step(cfg, params: dict, input_ids: jax.Array, cache: dict, attention_
 
 TOKENS = Tokens(spm=dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1), required=("eos_id",))
 FAMILY = Family(name="gpt", layout="decoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
-                tokens=TOKENS, sizes=("max_positions",), check_config=check_config, heads=HEADS,
-                learned_positions=True, init_cache=init_cache, decode_step=decode_step)
+                tokens=TOKENS, fields=FIELDS, sizes=("max_positions",), check_config=check_config, heads=HEADS,
+                learned_positions=True, kv_cache_bytes=costs.decoder_cache, init_cache=init_cache,
+                decode_step=decode_step)

@@ -12,9 +12,13 @@ from typing import Any
 
 import flax.linen as nn
 
-from lm_jax.models import blocks, gpt, layers
+from lm_jax.models import blocks, costs, gpt, layers
 from lm_jax.models.registry import Family
 
+FIELDS = {                 # model config fields of GPT-2's own, beyond defaults.model_defaults' shared ones
+    "max_positions": 512,  # learned position embeddings
+    "use_bias": True,      # biases in the Dense and LayerNorm layers (nanoGPT's bias=False)
+}
 HEADS = gpt.HEADS
 
 
@@ -41,6 +45,7 @@ class Model(nn.Module):
 
 
 FAMILY = Family(name="gpt2", layout="decoder", Model=Model, example_batch=gpt.example_batch,
-                forward_flops=gpt.forward_flops, tokens=gpt.TOKENS, sizes=("max_positions",),
-                check_config=gpt.check_config, heads=HEADS, learned_positions=True, init_cache=gpt.init_cache,
+                forward_flops=gpt.forward_flops, tokens=gpt.TOKENS, fields=FIELDS, sizes=("max_positions",),
+                check_config=gpt.check_config, heads=HEADS, learned_positions=True,
+                kv_cache_bytes=costs.decoder_cache, init_cache=gpt.init_cache,
                 decode_step=functools.partial(gpt.decode_step, model=Model))

@@ -2,10 +2,14 @@
 
 A family is one module here (architecture, its `FAMILY` record) plus its Hugging Face conversion in lm_jax/hf/,
 each registered with one line. Nothing outside models/ and hf/ compares family names (tests/test_family_api.py):
-it asks the record.
+it asks the record. The family owns its facts: its model config fields (a `FIELDS` dict literal in its module,
+which defaults.model_defaults merges into the shared ones), its costs (FLOPs, activation and KV-cache bytes) and
+its config checks.
 """
 import dataclasses
 from typing import Callable
+
+from lm_jax.models import costs
 
 LAYOUTS = ("encoder", "decoder", "encoder_decoder")
 
@@ -18,6 +22,22 @@ class Tokens:
   sentinels: bool = False    # 100 <extra_id_k> ids above the pieces (T5's span corruption)
   template: tuple = ("$A",)  # what transformers' post-processor puts around a text: roles and $A
   token_types: bool = False  # the model reads token_type_ids (a second text is segment 1)
+
+
+def head_counts(cfg) -> dict:
+  """{model config field: heads} of the head counts the mesh's 'heads' axis splits: num_heads, and num_kv_heads
+  where the family has it and sets it (0 = num_heads)."""
+  out = {"num_heads": cfg.num_heads}
+  if cfg.get("num_kv_heads", 0):
+    out["num_kv_heads"] = cfg.num_kv_heads
+  return out
+
+
+def check_heads_split(cfg, mesh: dict) -> None:
+  """Every head count divisible by mesh['tensor'] (Family.check_mesh's default)."""
+  for name, n in head_counts(cfg).items():
+    if n % mesh["tensor"]:
+      raise ValueError(f"config.model.{name}={n} is not divisible by config.mesh.tensor={mesh['tensor']}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,14 +54,17 @@ class Family:
   example_batch: Callable    # cfg -> a tiny batch of its input keys, for init / eval_shape
   forward_flops: Callable    # (cfg, flops.Lengths) -> matmul FLOPs of one forward pass on one example
   tokens: Tokens
+  fields: dict = dataclasses.field(default_factory=dict)   # its own model config fields and defaults: FIELDS
   sizes: tuple = ()          # model config fields that must be positive integers, beyond the shared ones
   check_config: Callable = lambda cfg: None   # family-specific config checks, after the generic ones
+  check_mesh: Callable = check_heads_split   # (cfg, {'data'|'fsdp'|'tensor': size}) -> None: heads vs the mesh
+  activation_bytes: Callable = costs.one_stack     # (cfg, flops.Lengths, div) -> bytes one example keeps for
+                                                   # the backward pass per device (lm_jax/models/costs.py)
+  kv_cache_bytes: Callable | None = None  # (cfg, rows, length, inputs=0) -> bytes of a decoding cache's keys/values
   heads: tuple = ()          # top-level param names that are task heads (summary counts them apart)
   learned_positions: bool = False   # max_positions bounds the sequence length
-  head_transform: bool = False      # a d_model transform before the vocabulary on scored positions (memory)
   init_cache: Callable | None = None     # (cfg, params, batch, max_length) -> KV cache (decoders)
   decode_step: Callable | None = None    # see layout
-  decoder_layers: Callable | None = None  # encoder_decoder: cfg -> layers of the decoder stack (memory)
 
   def __post_init__(self):
     if self.layout not in LAYOUTS:

@@ -22,8 +22,16 @@ import jax.numpy as jnp
 import ml_collections
 
 from lm_jax import flops
-from lm_jax.models import attention, blocks, layers, relayout
+from lm_jax.models import attention, blocks, costs, layers, relayout
 from lm_jax.models.registry import Family, Tokens
+
+FIELDS = {                 # model config fields of T5's own, beyond defaults.model_defaults' shared ones
+    "num_decoder_layers": 0,  # 0 = num_layers
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "tie_embeddings": True,   # v1.0's head tied to the embeddings; v1.1 has its own lm_head
+    "decoder_start_token_id": 0,
+}
 
 
 def num_decoder_layers(cfg) -> int:
@@ -32,6 +40,9 @@ def num_decoder_layers(cfg) -> int:
 
 def check_config(cfg) -> None:
   """T5-only checks (lm_jax.models.validate runs the generic ones first)."""
+  n = cfg.num_decoder_layers
+  if not isinstance(n, int) or n < 0:
+    raise ValueError(f"model.num_decoder_layers must be a non-negative integer (0 = num_layers), got {n!r}")
   buckets, distance = cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance
   if buckets < 4:
     raise ValueError(f"model.relative_attention_num_buckets must be >= 4 (exact buckets per direction), got {buckets}")
@@ -245,9 +256,22 @@ def forward_flops(cfg, lengths) -> float:
           + flops.dense(lengths.scored, cfg.d_model, cfg.vocab_size))
 
 
+def activation_bytes(cfg, lengths, div) -> int:
+  """The encoder's layers over the inputs, the decoder's over the targets with cross-attention to the inputs."""
+  return costs.one_stack(cfg, lengths, div) + costs.stack(cfg, div, num_decoder_layers(cfg), lengths.targets,
+                                                          lengths.targets, lengths.inputs, lengths.inputs)
+
+
+def kv_cache_bytes(cfg, rows: int, length: int, inputs: int = 0) -> int:
+  """Every decoder layer's self-attention keys/values over `length` and cross-attention ones over `inputs`."""
+  return costs.cache(cfg, rows, length, num_decoder_layers(cfg)) + costs.cache(cfg, rows, inputs,
+                                                                                num_decoder_layers(cfg))
+
+
 FAMILY = Family(
     name="t5", layout="encoder_decoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
-    sizes=("relative_attention_num_buckets", "relative_attention_max_distance"), check_config=check_config,
+    fields=FIELDS, sizes=("relative_attention_num_buckets", "relative_attention_max_distance"),
+    check_config=check_config, activation_bytes=activation_bytes, kv_cache_bytes=kv_cache_bytes,
     tokens=Tokens(spm=dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1), required=("pad_id", "eos_id"), sentinels=True,
                   template=("$A", "eos_id")),
-    init_cache=init_cache, decode_step=decode_step, decoder_layers=num_decoder_layers)
+    init_cache=init_cache, decode_step=decode_step)

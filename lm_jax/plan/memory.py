@@ -9,22 +9,13 @@ params, optimizer state: exact. The train state's abstract params and optimizer 
 gradients: float32 copy of the trainable params' shards (step.py casts them; the params Policy's trainable mask: frozen
   params, LoRA's base and its NF4 weights get none), twice with microbatches (accumulator plus the current
   microbatch's gradient).
-activations: analytic, what the backward pass keeps per layer (Korthikanti et al. 2022, "Reducing
-  Activation Recomputation in Large Transformer Models", §4 without sequence parallelism), per token, with
-  D = d_model, A = heads*head_dim / t, F = d_ff / t, H = heads / t, t = the mesh size `heads`/`mlp` map to:
-    self-attention layer   (4D + 4A + kF) * c  +  4 H S_kv        k = 2 (4 for a gated FFN), c = bytes of
-                           [LN/residual inputs 4D, q k v and the out-projection input 4A, FFN pre- and
-                           post-activation kF, float32 softmax probabilities H S_kv]
-    + cross-attention      (2D + 2A) * c + 4 H S_enc per decoder token, + 2A * c per encoder token (k, v)
-    + dropout              1-byte masks (2D + F, + H S_kv with attention dropout, which also keeps the
-                           dropped probabilities: + 4 H S_kv)
-  remat 'minimal' keeps only the weight matmuls' outputs (3A + 2D + F or 2F for gated, + cross A + D, +
-  2A per encoder token) plus the layer input D; 'full' keeps the layer input D; both add one layer's
-  full set, recomputed during its backward. Outside the layers: embeddings and final norm (3D per
-  token), the loss head (float32 logits + log-probabilities, 8 V/t bytes per scored token; a head
-  transform, BERT's (Family.head_transform), 4D per prediction). Rows per device = batch_size / microbatches /
-  (mesh size of 'batch'). Not counted: XLA temporaries (gradients of the logits, fusion buffers), all-gathered FSDP
-  weights in flight, the optimizer update's temporaries: measured peaks run higher (see README).
+activations: analytic, what the backward pass keeps: the family's count (Family.activation_bytes, summed from
+  lm_jax/models/costs.py's per-layer formula, Korthikanti et al. 2022 §4 without sequence parallelism, with the
+  remat policy's savings) per example, with heads, FFN and vocabulary split over the mesh axes they map to.
+  Rows per device = batch_size / microbatches / (mesh size of 'batch'). Not counted: XLA temporaries (gradients of
+  the logits, fusion buffers), all-gathered FSDP weights in flight, the optimizer update's temporaries: measured
+  peaks run higher (see README).
+kv cache (kv_cache_bytes): a decoding cache's keys and values, the family's count (Family.kv_cache_bytes).
 """
 import dataclasses
 import math
@@ -35,7 +26,7 @@ from flax import linen as nn
 from jax.sharding import AbstractMesh
 
 from lm_jax import config_lib, layout as layout_lib, models, objectives, params as params_lib, sharding
-from lm_jax.models import layers, nf4
+from lm_jax.models import nf4
 
 GiB = 2**30
 
@@ -104,48 +95,17 @@ def _mesh_size(rules, sizes: dict, logical: str) -> int:
 def activation_bytes(config, rows: int, div: dict) -> int:
   """Analytic bytes kept for the backward pass per device (module docstring); div = devices that split
   'heads', 'mlp', 'vocab'."""
-  m = config.model
-  c = np.dtype(layers.dtype(m.dtype)).itemsize
-  D, hd = m.d_model, layers.head_dim(m)
-  H = -(-m.num_heads // div["heads"])
-  A, F, V = H * hd, -(-m.d_ff // div["mlp"]), -(-m.vocab_size // div["vocab"])
-  k = 4 if m.gated_ffn else 2
-  p, pa = m.dropout_rate > 0, m.attention_dropout_rate > 0
-
-  def layer(s_kv, s_enc=0):
-    """(bytes per query token, bytes per encoder token) of one layer without remat."""
-    tok = (4 * D + 4 * A + k * F) * c + 4 * H * s_kv + p * (2 * D + F) + pa * 5 * H * s_kv
-    enc = 0
-    if s_enc:
-      tok += (2 * D + 2 * A) * c + 4 * H * s_enc + p * D + pa * 5 * H * s_enc
-      enc = 2 * A * c
-    return tok, enc
-
-  def saved(s_kv, s_enc=0):
-    """Bytes per token (and per encoder token) the remat policy keeps for one layer."""
-    if m.remat_policy == "full":
-      return D * c, 0
-    if m.remat_policy == "minimal":
-      cross = (A + D) * c if s_enc else 0
-      return (3 * A + 3 * D + (k // 2) * F) * c + cross, (2 * A * c if s_enc else 0)
-    return layer(s_kv, s_enc)
-
-  def stack(n, tokens, s_kv, enc_tokens=0, s_enc=0):
-    tok, enc = saved(s_kv, s_enc)
-    total = n * (tok * tokens + enc * enc_tokens)
-    if m.remat_policy != "none":  # one layer recomputed in full during its backward
-      full_tok, full_enc = layer(s_kv, s_enc)
-      total += full_tok * tokens + full_enc * enc_tokens
-    return total
-
   lengths = objectives.get(config.objective).lengths(config)
-  L, T = lengths.inputs, lengths.targets
-  fam = models.family(m)
-  head = 8 * V + (4 * D * c if fam.head_transform else 0)  # on the scored positions only
-  per_row = (3 * D * c + p * D) * (L + T) + head * lengths.scored + stack(m.num_layers, L, L)
-  if fam.layout == "encoder_decoder":   # the decoder's self-attention over T, cross-attention over L
-    per_row += stack(fam.decoder_layers(m), T, T, L, L)
-  return int(rows * per_row)
+  return int(rows * models.family(config.model).activation_bytes(config.model, lengths, div))
+
+
+def kv_cache_bytes(model_cfg, rows: int, length: int, inputs: int = 0) -> int:
+  """Bytes of the keys and values a decoding cache holds for `rows` sequences of `length` (decoder) positions;
+  `inputs`: the encoder's length, whose keys and values an encoder-decoder caches for cross-attention."""
+  fam = models.family(model_cfg)
+  if fam.kv_cache_bytes is None:
+    raise ValueError(f"model.family={fam.name!r} has no decoder to cache keys and values for")
+  return int(fam.kv_cache_bytes(model_cfg, rows, length, inputs))
 
 
 def estimate(config, *, num_devices: int | None = None, mesh=None, layout=None) -> Estimate:
