@@ -8,7 +8,7 @@ import ml_collections
 
 from lm_jax import defaults
 from lm_jax.hf import convert
-from lm_jax.models import layers, llama
+from lm_jax.models import costs, layers
 
 FAMILY, MODEL_TYPE, ARCHITECTURE = "llama", "llama", "LlamaForCausalLM"
 FAN_IN_FAN_OUT = False   # torch Linear weights (out, in)
@@ -48,7 +48,7 @@ def hf_config(cfg, model_type: str = MODEL_TYPE, architecture: str = ARCHITECTUR
       "architectures": [architecture], "model_type": model_type,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
       "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": llama.kv_heads(cfg), "head_dim": layers.head_dim(cfg), "hidden_act": "silu",
+      "num_key_value_heads": costs.kv_heads(cfg), "head_dim": layers.head_dim(cfg), "hidden_act": "silu",
       "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.layer_norm_eps,
       "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
       "attention_bias": False, "attention_dropout": cfg.attention_dropout_rate,
@@ -66,7 +66,7 @@ def config_from_hf(hf: dict, family: str = FAMILY) -> ml_collections.ConfigDict:
   if hf.get("use_sliding_window") or hf.get("pretraining_tp", 1) != 1:
     raise ValueError("sliding-window attention and pretraining_tp > 1 are not supported")
   m = defaults.model_defaults(family)
-  m.update(llama.FIELDS)
+  m.activation, m.gated_ffn, m.dropout_rate = "silu", True, 0.0
   m.vocab_size, m.d_model, m.d_ff = hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"]
   m.num_layers, m.num_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
   m.num_kv_heads = hf.get("num_key_value_heads") or m.num_heads

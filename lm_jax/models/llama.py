@@ -5,7 +5,9 @@ RMSNorm, grouped-query attention (model.num_kv_heads), rotary positions (model.r
 + gated_ffn) without biases, a final RMSNorm, and an LM head tied to the embeddings or its own ('lm_head',
 model.tie_embeddings=False). Qwen3 (lm_jax/models/qwen3.py) is this Model with QK-norm and a free head_dim.
 GPT-1's batch, cache and outputs (lm_jax/models/gpt.py: packed rows, left-padded decoding, the 'classifier'
-head with num_labels > 0); the KV cache holds the kv heads only.
+head with num_labels > 0); the KV cache holds the kv heads only. Of the shared fields, Llama's are activation
+'silu', gated_ffn True, layer_norm_eps 1e-6 (HF rms_norm_eps) and no dropout: configs/llama.py and hf/llama.py
+set them.
 """
 import functools
 from typing import Any
@@ -13,19 +15,20 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from lm_jax import flops
-from lm_jax.models import blocks, gpt, layers
+from lm_jax.models import blocks, costs, gpt, layers
 from lm_jax.models.registry import Family
 
 HEADS = gpt.HEADS
 
-# The family's own model config fields beside the shared ones and the shared ones it sets, with Llama's defaults
-# (HF LlamaConfig); configs/llama.py and hf/llama.py set them over defaults.model_defaults.
-FIELDS = dict(num_kv_heads=0,       # 0 = num_heads; fewer: grouped-query attention, 1: multi-query
-              rope_theta=10000.0,   # rotary base
-              qk_norm=False,        # RMSNorm on each query / key head (Qwen3)
-              norm="rmsnorm", activation="silu", gated_ffn=True, use_bias=False, layer_norm_eps=1e-6,
-              tie_embeddings=False, dropout_rate=0.0, attention_dropout_rate=0.0)
+FIELDS = {                  # its own model config fields beyond the shared ones, with HF LlamaConfig's defaults
+    "max_positions": 2048,  # the context it is trained for (rotary positions set no hard limit)
+    "num_kv_heads": 0,      # 0 = num_heads; fewer: grouped-query attention, 1: multi-query
+    "rope_theta": 10000.0,  # rotary base
+    "qk_norm": False,       # an RMSNorm over each query / key head (Qwen3)
+    "norm": "rmsnorm",      # or "layernorm"
+    "use_bias": False,
+    "tie_embeddings": False,  # the LM head is the token embedding table
+}
 
 
 class Model(nn.Module):
@@ -59,39 +62,16 @@ class Model(nn.Module):
     return out
 
 
-def kv_heads(cfg) -> int:
-  return cfg.get("num_kv_heads", 0) or cfg.num_heads
-
-
 def check_config(cfg) -> None:
+  """Beyond the generic checks (models.validate: heads, kv heads): the rotary and norm fields."""
   gpt.check_config(cfg)
-  k = cfg.get("num_kv_heads", 0)
-  if not isinstance(k, int) or k < 0 or (k and cfg.num_heads % k):
-    raise ValueError(f"model.num_kv_heads={k!r} must divide model.num_heads={cfg.num_heads} (0 = num_heads)")
   if layers.head_dim(cfg) % 2:
-    raise ValueError(f"rotary positions need an even head_dim, got {layers.head_dim(cfg)}")
+    raise ValueError(f"rotary positions need an even head_dim (model.head_dim or d_model / num_heads), got "
+                     f"{layers.head_dim(cfg)}")
   if not cfg.get("rope_theta", 0) > 0:
     raise ValueError(f"model.rope_theta must be positive, got {cfg.get('rope_theta')!r}")
   if cfg.get("norm") not in layers.NORMS:
     raise ValueError(f"unknown model.norm {cfg.get('norm')!r}; known: {', '.join(layers.NORMS)}")
-
-
-def forward_flops(cfg, lengths) -> float:
-  """Per layer: query and out projections of num_heads * head_dim, key and value of num_kv_heads * head_dim, the
-  two L x L attention matmuls over the query heads, the MLP (3 matrices gated); the LM head on the scored
-  positions, a task head (num_labels > 0) on every position."""
-  L, dh = lengths.inputs, layers.head_dim(cfg)
-  q_width, kv_width = cfg.num_heads * dh, kv_heads(cfg) * dh
-  attn = flops.dense(L, cfg.d_model, 2 * q_width + 2 * kv_width) + 2 * 2 * L * L * q_width
-  layer = attn + flops.dense(L, cfg.d_model, cfg.d_ff) * (3 if cfg.gated_ffn else 2)
-  return (cfg.num_layers * layer + flops.dense(lengths.scored, cfg.d_model, cfg.vocab_size)
-          + flops.dense(L, cfg.d_model, cfg.get("num_labels", 0)))
-
-
-def kv_cache_bytes(cfg, batch_size: int, max_length: int) -> int:
-  """Keys and values of every layer, num_kv_heads of them, in model.dtype."""
-  itemsize = jnp.dtype(layers.dtype(cfg.dtype)).itemsize
-  return 2 * cfg.num_layers * batch_size * kv_heads(cfg) * max_length * layers.head_dim(cfg) * itemsize
 
 
 def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
@@ -99,17 +79,19 @@ def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
   head_dim)."""
   del params
   batch_size = batch["input_ids"].shape[0]
-  shape = (batch_size, kv_heads(cfg), max_length, layers.head_dim(cfg))
+  shape = (batch_size, costs.kv_heads(cfg), max_length, layers.head_dim(cfg))
   zeros = lambda: jnp.zeros(shape, layers.dtype(cfg.dtype))
   return {"layers": tuple({"k": zeros(), "v": zeros()} for _ in range(cfg.num_layers)),
           "mask": jnp.zeros((batch_size, max_length), bool), "index": jnp.zeros((), jnp.int32)}
 
 
-def family(name: str) -> Family:
-  """The Family record of this Model under `name` (llama; qwen3 reuses it)."""
+def family(name: str, fields: dict) -> Family:
+  """The Family record of this Model under `name` with its FIELDS (llama; qwen3 reuses it). FLOPs and activation
+  bytes are the shared counts, which read num_kv_heads, head_dim and gated_ffn (lm_jax/flops.py, costs.py)."""
   return Family(name=name, layout="decoder", Model=Model, example_batch=gpt.example_batch,
-                forward_flops=forward_flops, tokens=gpt.TOKENS, check_config=check_config, heads=HEADS,
-                init_cache=init_cache, decode_step=functools.partial(gpt.decode_step, model=Model))
+                forward_flops=gpt.forward_flops, tokens=gpt.TOKENS, fields=fields, sizes=("max_positions",),
+                check_config=check_config, heads=HEADS, kv_cache_bytes=costs.decoder_cache, init_cache=init_cache,
+                decode_step=functools.partial(gpt.decode_step, model=Model))
 
 
-FAMILY = family("llama")
+FAMILY = family("llama", FIELDS)

@@ -3,5 +3,13 @@ RMSNorm over each query and key head before the rotation (QK-norm) and a head_di
 num_heads (Qwen3-0.6B: 16 heads of 128 on a width of 1024)."""
 from lm_jax.models import llama
 
-FIELDS = llama.FIELDS | dict(qk_norm=True, rope_theta=1_000_000.0)
-FAMILY = llama.family("qwen3")
+FIELDS = {                   # llama's fields with Qwen3's defaults (HF Qwen3Config's)
+    "max_positions": 32768,
+    "num_kv_heads": 0,
+    "rope_theta": 1000000.0,
+    "qk_norm": True,
+    "norm": "rmsnorm",
+    "use_bias": False,
+    "tie_embeddings": False,
+}
+FAMILY = llama.family("qwen3", FIELDS)
