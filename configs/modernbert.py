@@ -35,14 +35,13 @@ def get_config(arg="base"):
 
   m = c.model = defaults.model_defaults("modernbert")
   m.vocab_size = 50368
-  m.max_positions = 8192
   m.activation = "gelu"            # HF hidden_activation / classifier_activation "gelu" (exact)
+  m.gated_ffn = True               # GeGLU
   m.layer_norm_eps = 1e-5
   m.dropout_rate = m.attention_dropout_rate = 0.0
-  m.rope_theta, m.local_rope_theta = 160_000.0, 10_000.0
-  m.global_every = 3               # layers 0, 3, 6, ... attend globally
-  m.sliding_window = 64            # the others see 64 positions either side (HF local_attention = 128)
-  m.classifier_pooling = "mean"    # the released config's, for fine-tuning (model.num_labels > 0)
+  m.classifier_pooling = "mean"    # the released config's, for fine-tuning (model.num_labels > 0); the rest of
+  # lm_jax/models/modernbert.py's FIELDS are the released values: max_positions 8192, rotary theta 160,000 global /
+  # 10,000 local, global every 3rd layer, 64 positions either side in the others (HF local_attention = 128)
   c.data.tfds_name = "c4/en:3.1.0"
   c.data.tokenizer_type = "bpe"
   c.data.nsp = False

@@ -32,9 +32,11 @@ _BODY = [   # under model.
     ("embeddings.norm.weight", ("embeddings_ln", "scale"), "same"),
     ("final_norm.weight", ("final_ln", "scale"), "same"),
 ]
-_HEAD = [("head.dense.weight", ("head", "dense", "kernel"), "T1"), ("head.norm.weight", ("head", "ln", "scale"), "same")]
+_HEAD = [("head.dense.weight", ("head", "dense", "kernel"), "T1"),   # ModernBertPredictionHead, at the top
+         ("head.norm.weight", ("head", "ln", "scale"), "same")]
 _MLM = [("decoder.bias", ("decoder",), "same")]
-_CLASSIFIER = [("classifier.weight", ("classifier", "kernel"), "T1"), ("classifier.bias", ("classifier", "bias"), "same")]
+_CLASSIFIER = [("classifier.weight", ("classifier", "kernel"), "T1"),
+               ("classifier.bias", ("classifier", "bias"), "same")]
 
 
 def _layer(i: int) -> list:
@@ -50,6 +52,8 @@ def hf_config(cfg) -> dict:
   if cfg.num_heads * layers.head_dim(cfg) != cfg.d_model:
     raise ValueError(f"HF ModernBERT needs num_heads * head_dim == d_model, got {cfg.num_heads} * "
                      f"{layers.head_dim(cfg)} != {cfg.d_model}")
+  if not cfg.gated_ffn:
+    raise ValueError("HF ModernBERT has a gated MLP (GeGLU): needs model.gated_ffn=True")
   labels = cfg.get("num_labels", 0)
   task = {}
   if labels:
@@ -96,7 +100,7 @@ def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
   m = defaults.model_defaults(FAMILY)
   m.vocab_size, m.d_model, m.num_layers = hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"]
   m.num_heads, m.d_ff = hf["num_attention_heads"], hf["intermediate_size"]
-  m.activation = _ACT_FROM_HF[hf.get("hidden_activation", "gelu")]
+  m.activation, m.gated_ffn = _ACT_FROM_HF[hf.get("hidden_activation", "gelu")], True
   m.dropout_rate = float(hf.get("mlp_dropout", 0.0))
   m.attention_dropout_rate = float(hf.get("attention_dropout", 0.0))
   m.max_positions = hf.get("max_position_embeddings", 8192)

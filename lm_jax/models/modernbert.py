@@ -13,6 +13,7 @@ The layers differ (layer 0's missing norm, the two attention kinds), so they are
 A model config with num_labels > 0 is a sequence classifier (HF ModernBertForSequenceClassification): the final
 states pooled (model.classifier_pooling: [CLS] or the mean over real tokens) -> head -> dropout -> 'classifier'.
 """
+import functools
 import math
 from typing import Any
 
@@ -20,19 +21,29 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from lm_jax import flops
-from lm_jax.models import attention, layers
+from lm_jax.models import attention, costs, layers
 from lm_jax.models.registry import Family, Tokens
 
+FIELDS = {                        # its own model config fields beyond the shared ones, with HF ModernBertConfig's
+    "max_positions": 8192,        # the context it is trained for (rotary positions set no hard limit)
+    "rope_theta": 160000.0,       # rotary base of the global layers
+    "local_rope_theta": 10000.0,  # and of the local ones
+    "global_every": 3,            # layer i attends globally when i % global_every == 0
+    "sliding_window": 64,         # a local layer's query sees keys this many positions either side
+    "classifier_pooling": "cls",  # num_labels > 0: "cls" or "mean" over the real tokens
+}
 HEADS = ("head", "decoder", "classifier")   # on top of ModernBertModel (embeddings + layers + final norm)
 POOLING = ("cls", "mean")
 
 
 class Block(nn.Module):
-  """x = x + Drop(Attn(LN(x))); x = x + GeGLU(LN(x)) with dropout inside, as HF's ModernBertEncoderLayer. `first`:
-  layer 0, whose attention reads x as it is. `rope_theta` and `window` (None = global) make it global or local."""
+  """x = x + Drop(Attn(LN(x))); x = x + MLP(LN(x)) (GeGLU with model.gated_ffn, dropout inside), as HF's
+  ModernBertEncoderLayer. `first`: layer 0, whose attention reads x as it is. `rope_theta` and `window` (None =
+  global) make it global or local; the caller's mask must apply the window too."""
   cfg: Any
   first: bool
   rope_theta: float
+  window: int | None
   deterministic: bool = True
   kernel_init: layers.Init = nn.initializers.normal(0.02)
   out_init: layers.Init | None = None
@@ -44,11 +55,11 @@ class Block(nn.Module):
     norm = lambda name: layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, name=name, **kw)
     h = x if self.first else norm("attention_ln")(x)
     a, _ = attention.Attention(cfg.num_heads, layers.head_dim(cfg), use_bias=False, rope_theta=self.rope_theta,
-                               dropout_rate=cfg.attention_dropout_rate, deterministic=self.deterministic,
-                               kernel_init=self.kernel_init, out_init=self.out_init, name="attention",
-                               **kw)(h, mask=mask, positions=positions)
+                               window=self.window, dropout_rate=cfg.attention_dropout_rate,
+                               deterministic=self.deterministic, kernel_init=self.kernel_init,
+                               out_init=self.out_init, name="attention", **kw)(h, mask=mask, positions=positions)
     x = x + layers.Dropout(cfg.attention_dropout_rate, deterministic=self.deterministic)(a)
-    x = x + layers.MLP(cfg.d_ff, cfg.activation, gated=True, use_bias=False, dropout_rate=cfg.dropout_rate,
+    x = x + layers.MLP(cfg.d_ff, cfg.activation, gated=cfg.gated_ffn, use_bias=False, dropout_rate=cfg.dropout_rate,
                        deterministic=self.deterministic, kernel_init=self.kernel_init, out_init=self.out_init,
                        name="mlp", **kw)(norm("mlp_ln")(x))
     return layers.constrain(x, ("batch", "length", "embed"))
@@ -93,15 +104,18 @@ class Model(nn.Module):
     x = layers.constrain(x, ("batch", "length", "embed"))
 
     positions = jnp.arange(ids.shape[1])[None]
+    length = ids.shape[1]
     masks = {True: attention.make_attention_mask(attention_mask),
-             False: attention.make_attention_mask(attention_mask, window=cfg.sliding_window)}
+             False: attention.make_attention_mask(attention_mask, window=cfg.sliding_window, q_len=length,
+                                                  kv_len=length)}
     block = Block
     if cfg.remat_policy != "none":
       block = nn.remat(Block, policy=layers.REMAT_POLICIES[cfg.remat_policy])
     for i in range(cfg.num_layers):
-      theta = cfg.rope_theta if is_global(cfg, i) else cfg.local_rope_theta
-      x = block(cfg, first=i == 0, rope_theta=theta, deterministic=not train, kernel_init=init, out_init=out_init,
-                name=f"layers_{i}")(x, masks[is_global(cfg, i)], positions)
+      glob = is_global(cfg, i)
+      x = block(cfg, first=i == 0, rope_theta=cfg.rope_theta if glob else cfg.local_rope_theta,
+                window=None if glob else cfg.sliding_window, deterministic=not train, kernel_init=init,
+                out_init=out_init, name=f"layers_{i}")(x, masks[glob], positions)
     x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, name="final_ln", **kw)(x)
 
     if cfg.get("num_labels", 0):
@@ -146,8 +160,8 @@ def example_batch(cfg) -> dict:
 def forward_flops(cfg, lengths) -> float:
   """The layers (local ones too compute the whole L x L grid, masked), then a classifier (num_labels > 0) on the
   pooled state, or the MLM head (transform + tied decoder) on the scored positions."""
-  d, scored, length = cfg.d_model, lengths.scored, lengths.inputs
-  total = cfg.num_layers * (flops.self_attention(cfg, length) + 3 * flops.dense(length, d, cfg.d_ff))   # GeGLU
+  d, scored = cfg.d_model, lengths.scored
+  total = cfg.num_layers * flops.encoder_layer(cfg, lengths.inputs)
   if cfg.get("num_labels", 0):
     return total + flops.dense(1, d, d) + flops.dense(1, d, cfg.num_labels)
   return total + flops.dense(scored, d, d) + flops.dense(scored, d, cfg.vocab_size)
@@ -155,7 +169,8 @@ def forward_flops(cfg, lengths) -> float:
 
 FAMILY = Family(
     name="modernbert", layout="encoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
-    sizes=("global_every", "sliding_window"), check_config=check_config, heads=HEADS, head_transform=True,
+    fields=FIELDS, sizes=("max_positions", "global_every", "sliding_window"), check_config=check_config, heads=HEADS,
+    activation_bytes=functools.partial(costs.one_stack, head_transform=True),
     tokens=Tokens(spm=dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
                            control_symbols=["[CLS]", "[SEP]", "[MASK]"]),
                   required=("pad_id", "cls_id", "sep_id", "mask_id"), template=("cls_id", "$A", "sep_id")))
