@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import cli, load_config, records
-from lm_jax import checkpoint_export, config_lib, models, train
+from lm_jax import checkpoint_export, config_lib, defaults, models, train
+from lm_jax.data import tasks
+from lm_jax.evals import probe
 from lm_jax.hf import export
 
 torch = pytest.importorskip("torch")
@@ -112,3 +114,27 @@ def test_tiny_run_resumes_exactly_exports_and_fills_masks(shared_data, tmp_path)
   top = np.argsort(-np.asarray(probs))[:5]
   assert [o["token"] for o in out] == [int(i) for i in top]
   np.testing.assert_allclose([o["score"] for o in out], np.asarray(probs)[top], atol=1e-5)
+
+  # the export fine-tunes as a classifier with LoRA on query / value, and gives the probe transformers' states
+  finetune = config_lib.load("configs/finetune/bert.py:tiny", {
+      "init_from": str(tmp_path / "hf"), "data.train_split": "train[:64]", "data.eval_split": "dev[:16]",
+      "data.seq_len": 32, "batch_size": 8, "total_steps": 2, "log_every": 1, "eval_every": 2,
+      "checkpoint_every": 2, "optimizer.warmup_steps": 0, "lora.rank": 4})
+  with finetune.unlocked():
+    finetune.model = defaults.model_defaults("modernbert")   # init_from's architecture replaces the rest
+    finetune.model.num_labels = 2
+  assert train.train(finetune, str(tmp_path / "sst2"))["step"] == 2
+  assert 0 <= records(tmp_path / "sst2", "eval")[-1]["eval_accuracy"] <= 1
+  model_cfg, params, probe_tok = probe.load(str(tmp_path / "hf"))
+  texts = ["Before we proceed any further", "hear me speak"]
+  examples = [tasks.Example((np.asarray(probe_tok.encode(t), np.int32),), 0, i) for i, t in enumerate(texts)]
+  ids = [[probe_tok.cls_id, *probe_tok.encode(t), probe_tok.sep_id] for t in texts]
+  width = max(map(len, ids))
+  mask = np.array([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+  hf = transformers.ModernBertModel.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
+  with torch.no_grad():
+    states = hf(input_ids=torch.tensor([x + [0] * (width - len(x)) for x in ids]), attention_mask=torch.tensor(mask),
+                output_hidden_states=True).hidden_states
+  mean = (states[1].numpy() * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)   # after layer 1 (0: embeddings)
+  np.testing.assert_allclose(probe.features(model_cfg, params, probe_tok, examples, seq_len=32, chosen=(0,),
+                                            pooling="mean", batch_size=2), mean, atol=1e-4)

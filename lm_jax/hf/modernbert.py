@@ -73,7 +73,8 @@ def hf_config(cfg) -> dict:
       "attention_dropout": cfg.attention_dropout_rate, "global_attn_every_n_layers": cfg.global_every,
       "local_attention": 2 * cfg.sliding_window, "global_rope_theta": cfg.rope_theta,
       "local_rope_theta": cfg.local_rope_theta, "classifier_pooling": cfg.classifier_pooling,
-      "pad_token_id": cfg.pad_token_id, **task,
+      "pad_token_id": cfg.pad_token_id, **task,   # the tokenizer files give [CLS] / [SEP]; HF's defaults lie outside
+      **dict.fromkeys(("bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id")),   # small vocabularies
   }
 
 

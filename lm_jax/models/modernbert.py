@@ -62,7 +62,7 @@ class Block(nn.Module):
     x = x + layers.MLP(cfg.d_ff, cfg.activation, gated=cfg.gated_ffn, use_bias=False, dropout_rate=cfg.dropout_rate,
                        deterministic=self.deterministic, kernel_init=self.kernel_init, out_init=self.out_init,
                        name="mlp", **kw)(norm("mlp_ln")(x))
-    return layers.constrain(x, ("batch", "length", "embed"))
+    return layers.constrain(x, ("batch", "length", "embed")), None   # (x, cache) as blocks.stack's blocks
 
 
 class Head(nn.Module):
@@ -113,9 +113,9 @@ class Model(nn.Module):
       block = nn.remat(Block, policy=layers.REMAT_POLICIES[cfg.remat_policy])
     for i in range(cfg.num_layers):
       glob = is_global(cfg, i)
-      x = block(cfg, first=i == 0, rope_theta=cfg.rope_theta if glob else cfg.local_rope_theta,
-                window=None if glob else cfg.sliding_window, deterministic=not train, kernel_init=init,
-                out_init=out_init, name=f"layers_{i}")(x, masks[glob], positions)
+      x, _ = block(cfg, first=i == 0, rope_theta=cfg.rope_theta if glob else cfg.local_rope_theta,
+                   window=None if glob else cfg.sliding_window, deterministic=not train, kernel_init=init,
+                   out_init=out_init, name=f"layers_{i}")(x, masks[glob], positions)
     x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, name="final_ln", **kw)(x)
 
     if cfg.get("num_labels", 0):
