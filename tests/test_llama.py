@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, cli
-from lm_jax import config_lib, decoding, models, train
+from lm_jax import checkpoint_export, config_lib, decoding, models, train
 from lm_jax import hf as hf_lib
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.data import toy_tasks
@@ -79,8 +79,7 @@ def hf_generate(hf, prompts, eos_id, **kw):
 def check_generate(m, p, hf):
   """Greedy and 4-beam search on left-padded prompts of several lengths, token for token; EOS is a token greedy
   decoding emits early, so rows end apart."""
-  free = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW)
-  eos = free[0][2]
+  eos = hf_generate(hf, PROMPTS[:1], -1)[0][2]
   greedy = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, eos_id=eos)
   assert greedy == hf_generate(hf, PROMPTS, eos)
   assert min(map(len, greedy)) < NEW == max(map(len, greedy))
@@ -194,17 +193,17 @@ def _losses(workdir):
 
 @pytest.fixture(scope="module")
 def clm_run(toy, tmp_path_factory):
-  """configs/llama.py:tiny from the command line, stopped after step 1 and resumed to step 3; the same run
-  uninterrupted in-process. -> (workdir, flags, uninterrupted losses)."""
+  """configs/llama.py:tiny stopped after step 1, then resumed to step 3 from the command line; the same run
+  uninterrupted. -> (workdir, its config, the uninterrupted run's losses)."""
   fields = {**TINY, "data.tokenizer": toy["tokenizer"], "data.files": toy["text"]}
-  flags = ["--config=configs/llama.py:tiny"] + [f"--config.{k}={v}" for k, v in fields.items()]
-  workdir = str(tmp_path_factory.mktemp("clm"))
-  for end in (1, 0):
-    run = cli(*flags, f"--config.phase_end_step={end}", f"--workdir={workdir}")
-    assert run.returncode == 0, run.stderr[-3000:]
-  whole = str(tmp_path_factory.mktemp("whole"))
-  train.train(config_lib.load("configs/llama.py:tiny", fields), whole)
-  return workdir, flags, _losses(whole)
+  config = config_lib.load("configs/llama.py:tiny", fields)
+  workdir, whole = (str(tmp_path_factory.mktemp(name)) for name in ("clm", "whole"))
+  train.train(config_lib.load("configs/llama.py:tiny", {**fields, "phase_end_step": 1}), workdir)
+  run = cli("--config=configs/llama.py:tiny", *[f"--config.{k}={v}" for k, v in fields.items()],
+            f"--workdir={workdir}")
+  assert run.returncode == 0, run.stderr[-3000:]
+  train.train(config, whole)
+  return workdir, config, _losses(whole)
 
 
 def test_clm_resumes_exactly(clm_run):
@@ -213,9 +212,9 @@ def test_clm_resumes_exactly(clm_run):
 
 
 def test_export_runs_in_a_transformers_pipeline(clm_run, toy, tmp_path):
-  workdir, flags, _ = clm_run
-  run = cli(*flags, f"--workdir={workdir}", "--mode=export", f"--export_dir={tmp_path}")
-  assert run.returncode == 0, run.stderr[-3000:]
+  """--mode=export's export (with the run's tokenizer) generates in transformers' pipeline as our decoding does."""
+  workdir, config, _ = clm_run
+  checkpoint_export.export_checkpoint(config, workdir, str(tmp_path))
   assert json.load(open(tmp_path / "config.json"))["architectures"] == ["LlamaForCausalLM"]
   generate = transformers.pipeline("text-generation", model=str(tmp_path))
   prompt = "reverse the letters"
@@ -230,10 +229,12 @@ def test_dpo_with_lora_starts_from_the_run(clm_run, toy, tmp_path):
   """DPO (a frozen reference) with LoRA adapters on the query / value projections, from the tiny clm run."""
   workdir, *_ = clm_run
   config = config_lib.load("configs/rlhf/dpo.py:tiny", {
-      "init_from": workdir, "rlhf.files": toy["preference"], "data.files": "", "data.tokenizer": toy["tokenizer"],
+      "model.family": "llama", "model.frozen_reference": False, "init_from": workdir, "rlhf.files": toy["preference"], "data.files": "", "data.tokenizer": toy["tokenizer"],
       "data.seq_len": 32, "batch_size": 4, "total_steps": 2, "log_every": 1, "eval_every": 0, "lora.rank": 4})
-  state = train.train(config, str(tmp_path))["state"]
+  params = jax.device_get(train.train(config, str(tmp_path))["state"]["params"])
   assert models.family(config.model).name == "llama"
   losses = _losses(str(tmp_path))
   assert len(losses) == 2 and np.all(np.isfinite(losses))
-  assert "adapters" in str(jax.tree_util.tree_structure(state)) or "lora" in str(jax.tree_util.tree_structure(state))
+  adapters = {jax.tree_util.keystr(p): b for p, b in jax.tree_util.tree_leaves_with_path(params["lora"])}
+  assert sorted(k.split("'")[-2] for k in adapters if k.endswith("['b']")) == ["query", "value"]   # layers_0's
+  assert all(np.abs(b).max() > 0 for k, b in adapters.items() if k.endswith("['b']"))   # trained from B = 0
