@@ -236,5 +236,5 @@ def test_dpo_with_lora_starts_from_the_run(clm_run, toy, tmp_path):
   losses = _losses(str(tmp_path))
   assert len(losses) == 2 and np.all(np.isfinite(losses))
   adapters = {jax.tree_util.keystr(p): b for p, b in jax.tree_util.tree_leaves_with_path(params["lora"])}
-  assert sorted(k.split("'")[-2] for k in adapters if k.endswith("['b']")) == ["query", "value"]   # layers_0's
+  assert sorted(k.split("'")[-4] for k in adapters if k.endswith("['b']")) == ["query", "value"]   # layers_0's
   assert all(np.abs(b).max() > 0 for k, b in adapters.items() if k.endswith("['b']"))   # trained from B = 0
