@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 
 from conftest import REPO, cli
-from lm_jax import checkpoint_export, config_lib, decoding, models, train
+from test_scaling import _matmul_flops
+from lm_jax import checkpoint_export, config_lib, decoding, flops, models, train
 from lm_jax import hf as hf_lib
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.data import toy_tasks
 from lm_jax.hf import export
+from lm_jax.models import layers
 from lm_jax.obs import metrics_log
 from lm_jax.plan import memory
 
@@ -138,6 +140,17 @@ def test_kv_cache_holds_the_kv_heads_only(gqa):
   size = lambda cfg: sum(x.size for layer in models.init_cache(cfg, p, batch, 16)["layers"] for x in layer.values())
   assert size(m) * 2 == size(mha) == 2 * 2 * 3 * 4 * 16 * 8
   assert memory.kv_cache_bytes(m, 3, 16) * 2 == memory.kv_cache_bytes(mha, 3, 16) == 4 * size(mha)
+
+
+@pytest.mark.parametrize("file", ["llama", "qwen3"])
+def test_flops_count_the_real_model(file):
+  """The family's FLOP count (K and V at the kv heads' width, a gated MLP, the head, a classifier) = every matmul
+  in the forward pass of the unscanned tiny model, read off its jaxpr."""
+  m, L = layers.replace(config_lib.load(f"configs/{file}.py:tiny").model, num_labels=3), 32
+  forward = lambda p, b: [out[key] for out in [models.apply(m, p, b)] for key in ("logits", "scores")]
+  ids = jax.ShapeDtypeStruct((2, L), jnp.int32)
+  counted = _matmul_flops(jax.make_jaxpr(forward)(models.abstract_params(m), dict(input_ids=ids)).jaxpr)
+  assert 2 * models.forward_flops(m, flops.Lengths(L, 0, L)) == counted   # 2 rows
 
 
 # ------------------------------------------------------------------------------------------------------- mesh
