@@ -8,8 +8,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from conftest import cli, load_config, records
-from lm_jax import checkpoint_export, config_lib, defaults, models, train
+from conftest import cli, records
+from test_scaling import _matmul_flops
+from lm_jax import checkpoint_export, config_lib, defaults, flops, models, train
 from lm_jax.data import tasks
 from lm_jax.evals import probe
 from lm_jax.hf import export
@@ -82,6 +83,20 @@ def test_parameter_counts_are_the_released_models(size, released):
     hf = transformers.ModernBertForMaskedLM(hf_config)
   assert sum(p.numel() for p in hf.parameters()) == released
   assert models.count(models.abstract_params(m)) == released
+
+
+@pytest.mark.parametrize("num_labels", [0, 3])
+def test_flops_count_the_real_model(num_labels):
+  """The family's count = every matmul of the forward pass: local layers compute the whole L x L grid (masked),
+  the MLM head runs on the scored positions only, a classifier on the pooled state."""
+  m = models.layers.replace(config_lib.load("configs/modernbert.py:tiny").model, num_labels=num_labels)
+  L, scored = 40, 0 if num_labels else 6
+  batch = {"input_ids": jax.ShapeDtypeStruct((2, L), jnp.int32)}
+  if not num_labels:
+    batch["mlm_positions"] = jax.ShapeDtypeStruct((2, scored), jnp.int32)
+  forward = lambda p, b: models.apply(m, p, b)["logits"]
+  counted = _matmul_flops(jax.make_jaxpr(forward)(models.abstract_params(m), batch).jaxpr)
+  assert 2 * models.forward_flops(m, flops.Lengths(L, 0, scored)) == counted   # 2 rows
 
 
 def test_tiny_run_resumes_exactly_exports_and_fills_masks(shared_data, tmp_path):
