@@ -10,7 +10,7 @@ import pytest
 
 from conftest import cli, records
 from test_scaling import _matmul_flops
-from lm_jax import checkpoint_export, config_lib, defaults, flops, models, train
+from lm_jax import checkpoint_export, config_lib, defaults, flops, models, params as params_lib, train
 from lm_jax.data import tasks
 from lm_jax.evals import probe
 from lm_jax.hf import export
@@ -83,6 +83,30 @@ def test_parameter_counts_are_the_released_models(size, released):
     hf = transformers.ModernBertForMaskedLM(hf_config)
   assert sum(p.numel() for p in hf.parameters()) == released
   assert models.count(models.abstract_params(m)) == released
+
+
+def test_lora_adapters_load_in_peft(tmp_path):
+  """LoRA on query / value (two thirds of HF's fused Wqkv) exports as one Wqkv adapter PEFT applies as we do."""
+  peft = pytest.importorskip("peft")
+  from test_lora import forward, load_peft, random_params
+  c = defaults.base_config()
+  c.model = defaults.model_defaults("modernbert")
+  c.model.update(vocab_size=64, d_model=32, num_heads=2, num_layers=2, d_ff=48, gated_ffn=True, activation="gelu",
+                 sliding_window=2, layer_norm_eps=1e-5, dropout_rate=0.0, attention_dropout_rate=0.0)
+  c.lora.update(rank=4, alpha=8.0, targets=("attention/(query|value)/",))
+  params = random_params(c)
+  export.save_hf(c.model, params_lib.base(c, params), str(tmp_path / "base"))
+  params_lib.save_adapter(c, params, str(tmp_path / "adapter"))
+  assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == [
+      "model.layers.0.attn.Wqkv", "model.layers.1.attn.Wqkv"]
+  hf = transformers.ModernBertForMaskedLM.from_pretrained(str(tmp_path / "base"), attn_implementation="eager")
+  adapted = load_peft(hf.eval(), str(tmp_path / "adapter"))
+  ids = np.random.default_rng(0).integers(2, 64, (2, 9))
+  with torch.no_grad():
+    theirs = adapted(input_ids=torch.tensor(ids)).logits.numpy()
+  ours = forward(c)(params, {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.ones(ids.shape)})[0]
+  assert isinstance(adapted, peft.PeftModel)
+  np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("num_labels", [0, 3])

@@ -1,7 +1,8 @@
 """Hugging Face ModernBERT: ModernBertForMaskedLM (what save_hf writes) and ModernBertForSequenceClassification (a
 model config with num_labels > 0). HF fuses the query, key and value projections into one Wqkv (rows q, k, v) and
 GeGLU's two input projections into one Wi (rows: the activated half, then the gate); the table below names the
-parts, split and fused here. The decoder weight is tied to the word embeddings and not written."""
+parts (attn.Wqkv.query, ...: PEFT's adapters of them fuse into one of Wqkv, lm_jax/peft/peft_format.py), split and
+fused here. The decoder weight is tied to the word embeddings and not written."""
 import ml_collections
 import numpy as np
 
@@ -15,12 +16,12 @@ BASE_PREFIX = "model."   # HF module path of the base model's layers in the head
 
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
-_FUSED = {"attn.Wqkv.weight": ("attn.query.weight", "attn.key.weight", "attn.value.weight"),
+_FUSED = {"attn.Wqkv.weight": ("attn.Wqkv.query.weight", "attn.Wqkv.key.weight", "attn.Wqkv.value.weight"),
           "mlp.Wi.weight": ("mlp.Wi_0.weight", "mlp.Wi_1.weight")}
 
 _LAYER = [   # under model.layers.{i}.; the parts of a fused tensor by their names in _FUSED
     ("attn_norm.weight", ("attention_ln", "scale"), "same"),
-    *[(f"attn.{n}.weight", ("attention", n, "kernel"), "T1") for n in ("query", "key", "value")],
+    *[(f"attn.Wqkv.{n}.weight", ("attention", n, "kernel"), "T1") for n in ("query", "key", "value")],
     ("attn.Wo.weight", ("attention", "out", "kernel"), "T2"),
     ("mlp_norm.weight", ("mlp_ln", "scale"), "same"),
     ("mlp.Wi_0.weight", ("mlp", "wi_0", "kernel"), "T1"),
