@@ -103,8 +103,8 @@ class Model(nn.Module):
     x = layers.Dropout(cfg.dropout_rate, deterministic=not train)(x)
     x = layers.constrain(x, ("batch", "length", "embed"))
 
-    positions = jnp.arange(ids.shape[1])[None]
     length = ids.shape[1]
+    positions = jnp.arange(length)[None]
     masks = {True: attention.make_attention_mask(attention_mask),
              False: attention.make_attention_mask(attention_mask, window=cfg.sliding_window, q_len=length,
                                                   kv_len=length)}
