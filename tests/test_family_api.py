@@ -76,7 +76,8 @@ def test_every_family_is_registered_with_its_facts():
     assert fam.name == name and fam.layout in models.LAYOUTS
     assert hf.family_module(name).FAMILY == name
     assert (fam.decode_step is None) == (fam.layout == "encoder")
-  with pytest.raises(ValueError, match="unknown model.family 'gpt3'; known: bert, gpt, gpt2, t5$"):
+  with pytest.raises(ValueError,
+                     match="unknown model.family 'gpt3'; known: bert, gpt, gpt2, llama, modernbert, qwen3, t5$"):
     models.family("gpt3")
 
 

@@ -25,7 +25,7 @@ from absl import app, flags  # noqa: E402
 
 from lm_jax import config_lib, defaults, init_from as init_from_lib, models, sharding  # noqa: E402
 from lm_jax.data import tasks, tokenizer as tokenizer_lib  # noqa: E402
-from lm_jax.models import blocks, layers  # noqa: E402
+from lm_jax.models import layers  # noqa: E402
 from lm_jax.objectives import classify  # noqa: E402
 
 C_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
@@ -71,7 +71,7 @@ def _layers(model_cfg, layer: int, last4: bool) -> tuple:
 def _encode(cfg, params, batch, chosen, pooling):
   """Pooled outputs of the chosen layers, concatenated: (B, len(chosen) * d_model). Everything else the model
   computes (later layers, heads) is dead code that XLA drops."""
-  is_block = lambda module, method: isinstance(module, blocks.PostLNBlock)
+  is_block = lambda module, method: layers.LOOPED.fullmatch(module.name or "") is not None   # 'layers_<i>'
   _, state = models.family(cfg).Model(cfg).apply({"params": params}, batch, capture_intermediates=is_block,
                                                  mutable=["intermediates"])
   mask = batch["attention_mask"][..., None].astype(jnp.float32)

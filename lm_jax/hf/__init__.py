@@ -15,7 +15,7 @@ gpt2.py, t5.py), registered below with one line, provides
 from types import ModuleType
 
 from lm_jax import models
-from lm_jax.hf import bert, gpt, gpt2, t5
+from lm_jax.hf import bert, gpt, gpt2, llama, modernbert, qwen3, t5
 
 _FAMILIES: dict[str, ModuleType] = {}
 
@@ -29,6 +29,9 @@ register(bert)
 register(gpt)
 register(t5)
 register(gpt2)
+register(llama)
+register(qwen3)
+register(modernbert)
 
 
 def family_module(model_cfg_or_family) -> ModuleType:

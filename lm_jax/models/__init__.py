@@ -15,7 +15,7 @@ import jax
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
-from lm_jax.models import attention, bert, costs, gpt, gpt2, layers, t5
+from lm_jax.models import attention, bert, costs, gpt, gpt2, layers, llama, modernbert, qwen3, t5
 from lm_jax.models.registry import LAYOUTS, Family, family, names, register
 from lm_jax.models.variables import ADAPTERS, adapter, check_plain, of_params
 
@@ -27,6 +27,9 @@ register(bert.FAMILY)
 register(gpt.FAMILY)
 register(t5.FAMILY)
 register(gpt2.FAMILY)
+register(llama.FAMILY)
+register(qwen3.FAMILY)
+register(modernbert.FAMILY)
 
 
 def validate(model_cfg) -> None:

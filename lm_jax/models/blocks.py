@@ -1,5 +1,5 @@
-"""The transformer blocks (post-LN: BERT, GPT-1, GPT-2's pre-LN variant; pre-LN: T5) and the layer stack, scanned
-or looped.
+"""The transformer blocks (post-LN: BERT, GPT-1; pre-norm: GPT-2, Llama, Qwen3, composed from the config's choices;
+T5 has its own) and the layer stack, scanned or looped.
 
 Scanned params live under `<name>` with a leading 'layers' axis, looped ones under `<name>_0`, `<name>_1`, ...;
 lm_jax.models.relayout converts between the two.
@@ -33,28 +33,37 @@ class PostLNBlock(nn.Module):
 
 
 class PreLNBlock(nn.Module):
-  """GPT-2 layer: x = x + Drop(Attn(LN(x))); x = x + Drop(layers.MLP(LN(x))). out_init: the residual projections' init
-  (GPT-2 scales it by 1/sqrt(2 * layers)). cfg: the model config; cfg.use_bias=False drops every bias (nanoGPT)."""
+  """Pre-norm layer: x = x + Drop(Attn(Norm(x))); x = x + Drop(layers.MLP(Norm(x))). out_init: the residual
+  projections' init (GPT-2 scales it by 1/sqrt(2 * layers)).
+
+  Composed from the model config's values, each optional with the default GPT-2 has: use_bias (False drops every
+  bias: nanoGPT, Llama), norm ('layernorm' | 'rmsnorm', layers.norm), num_kv_heads (0 = num_heads; GQA / MQA),
+  rope_theta (> 0: rotary positions, read from the `positions` argument), qk_norm, sliding_window (0 = off; the
+  caller's mask applies it), activation and gated_ffn (SwiGLU = silu + gated, GeGLU = gelu + gated).
+  """
   cfg: Any
   deterministic: bool = True
   kernel_init: layers.Init = nn.initializers.normal(0.02)
   out_init: layers.Init | None = None
 
   @nn.compact
-  def __call__(self, x, cache, mask, cache_index=None):
+  def __call__(self, x, cache, mask, cache_index=None, positions=None):
     cfg = self.cfg
     kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
     bias = cfg.get("use_bias", True)
     drop = layers.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
-    h = layers.LayerNorm(cfg.layer_norm_eps, use_bias=bias, name="attention_ln", **kw)(x)
-    a, cache = attention.Attention(cfg.num_heads, layers.head_dim(cfg), use_bias=bias,
-                                   dropout_rate=cfg.attention_dropout_rate, deterministic=self.deterministic,
-                                   kernel_init=self.kernel_init, out_init=self.out_init,
-                                   name="attention", **kw)(h, mask=mask, cache=cache, cache_index=cache_index)
+    h = layers.norm(cfg, name="attention_ln", **kw)(x)
+    a, cache = attention.Attention(cfg.num_heads, layers.head_dim(cfg), num_kv_heads=cfg.get("num_kv_heads", 0),
+                                   qk_norm=cfg.get("qk_norm", False), qk_norm_eps=cfg.layer_norm_eps,
+                                   rope_theta=cfg.get("rope_theta", 0.0), window=cfg.get("sliding_window", 0) or None,
+                                   use_bias=bias, dropout_rate=cfg.attention_dropout_rate,
+                                   deterministic=self.deterministic, kernel_init=self.kernel_init,
+                                   out_init=self.out_init, name="attention", **kw)(
+                                       h, mask=mask, cache=cache, cache_index=cache_index, positions=positions)
     x = x + drop(a)
-    h = layers.LayerNorm(cfg.layer_norm_eps, use_bias=bias, name="mlp_ln", **kw)(x)
-    x = x + drop(layers.MLP(cfg.d_ff, cfg.activation, use_bias=bias, kernel_init=self.kernel_init,
-                            out_init=self.out_init, name="mlp", **kw)(h))
+    h = layers.norm(cfg, name="mlp_ln", **kw)(x)
+    x = x + drop(layers.MLP(cfg.d_ff, cfg.activation, gated=cfg.get("gated_ffn", False), use_bias=bias,
+                            kernel_init=self.kernel_init, out_init=self.out_init, name="mlp", **kw)(h))
     return layers.constrain(x, ("batch", "length", "embed")), cache
 
 

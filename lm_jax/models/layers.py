@@ -36,7 +36,9 @@ ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),   # exact erf (HF "gelu")
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # original BERT/GPT TF code
     "relu": jax.nn.relu,
+    "silu": jax.nn.silu,   # SwiGLU's (Llama, Qwen3: HF "silu") with gated_ffn
 }
+NORMS = ("layernorm", "rmsnorm")   # model.norm (layers.norm)
 REMAT_POLICIES = {
     "none": None,
     "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep weight matmuls
@@ -231,12 +233,14 @@ class Embed(nn.Module):
 
 
 class LayerNorm(nn.Module):
-  """LayerNorm in float32; use_mean=False, use_bias=False is T5's RMS norm."""
+  """LayerNorm in float32 over the last axis, whose logical name is `axis` ('kv' for a norm per head); use_mean=False,
+  use_bias=False is T5's RMS norm (RMSNorm)."""
   eps: float = 1e-12
   use_bias: bool = True
   use_mean: bool = True
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  axis: str = "embed"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -245,16 +249,37 @@ class LayerNorm(nn.Module):
     if self.use_mean:
       y = y - jnp.mean(y, axis=-1, keepdims=True)
     y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + self.eps)
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (d,), self.param_dtype)
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)), (d,),
+                       self.param_dtype)
     y = y * scale.astype(jnp.float32)
     if self.use_bias:
-      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)), (d,), self.param_dtype)
+      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.axis,)), (d,),
+                        self.param_dtype)
       y = y + bias.astype(jnp.float32)
     return y.astype(self.dtype)
 
 
+class RMSNorm(LayerNorm):
+  """x / rms(x) * scale (Zhang & Sennrich 2019; T5's, Llama's, Qwen3's), no mean, no bias."""
+  eps: float = 1e-6
+  use_bias: bool = False
+  use_mean: bool = False
+
+
+def norm(cfg, **kw) -> LayerNorm:
+  """The norm a model config names: model.norm 'layernorm' (default; with model.use_bias) or 'rmsnorm', eps
+  model.layer_norm_eps."""
+  kind = cfg.get("norm", "layernorm")
+  if kind not in NORMS:
+    raise ValueError(f"unknown model.norm {kind!r}; known: {', '.join(NORMS)}")
+  if kind == "rmsnorm":
+    return RMSNorm(cfg.layer_norm_eps, **kw)
+  return LayerNorm(cfg.layer_norm_eps, use_bias=cfg.get("use_bias", True), **kw)
+
+
 class MLP(nn.Module):
-  """wo(act(wi x)) or, gated (T5 v1.1), wo(act(wi_0 x) * wi_1 x); dropout after the activation."""
+  """wo(act(wi x)) or, gated, wo(act(wi_0 x) * wi_1 x) (T5 v1.1's GeGLU with gelu, Llama's SwiGLU with silu: HF's
+  gate_proj = wi_0, up_proj = wi_1, down_proj = wo); dropout after the activation."""
   d_ff: int
   activation: str = "gelu"
   gated: bool = False

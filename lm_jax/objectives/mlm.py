@@ -20,8 +20,8 @@ def check(config):
   require(0 < d.mlm_probability < 1, f"config.data.mlm_probability must be in (0, 1), got {d.mlm_probability}")
   require(1 <= d.max_predictions_per_seq <= d.seq_len, f"config.data.max_predictions_per_seq must be in "
            f"[1, seq_len={d.seq_len}], got {d.max_predictions_per_seq}")
-  require(not d.nsp or m.type_vocab_size >= 2,
-           f"config.data.nsp needs config.model.type_vocab_size >= 2, got {m.type_vocab_size}")
+  types = m.get("type_vocab_size", 0)   # a field of the families with token types (BERT's)
+  require(not d.nsp or types >= 2, f"config.data.nsp needs config.model.type_vocab_size >= 2, got {types}")
 
 
 def lengths(config):

@@ -32,9 +32,11 @@ def fan_in_fan_out(model_cfg) -> bool:
 
 
 def fused(name: str):
-  """(c_attn module, part index) of a GPT pseudo name 'transformer.h.<i>.attn.<query|key|value>.weight', else None."""
-  m = re.fullmatch(r"(.*\.attn)\.(query|key|value)\.weight", name)
-  return (m.group(1) + ".c_attn", _QKV.index(m.group(2))) if m else None
+  """(fused module, part index) of a pseudo name of one part of a fused query / key / value projection, else None:
+  GPT's 'transformer.h.<i>.attn.<query|key|value>.weight' (module attn.c_attn), ModernBERT's
+  'model.layers.<i>.attn.Wqkv.<query|key|value>.weight' (module attn.Wqkv)."""
+  m = re.fullmatch(r"(.*\.attn)(\.Wqkv)?\.(query|key|value)\.weight", name)
+  return (m.group(1) + (m.group(2) or ".c_attn"), _QKV.index(m.group(3))) if m else None
 
 
 # ------------------------------------------------------------------------------------------------------- export

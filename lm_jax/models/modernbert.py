@@ -1,0 +1,176 @@
+"""ModernBERT (Warner et al. 2024, arXiv 2412.13663; HF ModernBertForMaskedLM): a pre-norm encoder with rotary
+positions, alternating global and local (sliding-window) attention, GeGLU and no biases, with BERT's MLM head.
+
+Params: word_embeddings + embeddings_ln, the layers (layer 0 has no attention_ln: the embeddings are normalised
+already), final_ln, the 'head' (dense + act + LN, shared by the MLM and the classifier as in HF) and the 'decoder'
+bias of the MLM logits (decoder tied to the word embeddings). Layer i attends globally with rotary theta
+model.rope_theta when i % model.global_every == 0, else to keys within model.sliding_window positions (HF's
+local_attention = 2 * sliding_window) with model.local_rope_theta. Init is HF's: truncated normal
+(initializer_range), the residual projections and the head's dense scaled by 1 / sqrt(2 * num_layers).
+
+The layers differ (layer 0's missing norm, the two attention kinds), so they are looped, never scanned.
+
+A model config with num_labels > 0 is a sequence classifier (HF ModernBertForSequenceClassification): the final
+states pooled (model.classifier_pooling: [CLS] or the mean over real tokens) -> head -> dropout -> 'classifier'.
+"""
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from lm_jax import flops
+from lm_jax.models import attention, costs, layers
+from lm_jax.models.registry import Family, Tokens
+
+FIELDS = {                        # its own model config fields beyond the shared ones, with HF ModernBertConfig's
+    "max_positions": 8192,        # the context it is trained for (rotary positions set no hard limit)
+    "rope_theta": 160000.0,       # rotary base of the global layers
+    "local_rope_theta": 10000.0,  # and of the local ones
+    "global_every": 3,            # layer i attends globally when i % global_every == 0
+    "sliding_window": 64,         # a local layer's query sees keys this many positions either side
+    "classifier_pooling": "cls",  # num_labels > 0: "cls" or "mean" over the real tokens
+}
+HEADS = ("head", "decoder", "classifier")   # on top of ModernBertModel (embeddings + layers + final norm)
+POOLING = ("cls", "mean")
+
+
+class Block(nn.Module):
+  """x = x + Drop(Attn(LN(x))); x = x + MLP(LN(x)) (GeGLU with model.gated_ffn, dropout inside), as HF's
+  ModernBertEncoderLayer. `first`: layer 0, whose attention reads x as it is. `rope_theta` and `window` (None =
+  global) make it global or local; the caller's mask must apply the window too."""
+  cfg: Any
+  first: bool
+  rope_theta: float
+  window: int | None
+  deterministic: bool = True
+  kernel_init: layers.Init = nn.initializers.normal(0.02)
+  out_init: layers.Init | None = None
+
+  @nn.compact
+  def __call__(self, x, mask, positions):
+    cfg = self.cfg
+    kw = layers.dtypes(cfg)
+    norm = lambda name: layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, name=name, **kw)
+    h = x if self.first else norm("attention_ln")(x)
+    a, _ = attention.Attention(cfg.num_heads, layers.head_dim(cfg), use_bias=False, rope_theta=self.rope_theta,
+                               window=self.window, dropout_rate=cfg.attention_dropout_rate,
+                               deterministic=self.deterministic, kernel_init=self.kernel_init,
+                               out_init=self.out_init, name="attention", **kw)(h, mask=mask, positions=positions)
+    x = x + layers.Dropout(cfg.attention_dropout_rate, deterministic=self.deterministic)(a)
+    x = x + layers.MLP(cfg.d_ff, cfg.activation, gated=cfg.gated_ffn, use_bias=False, dropout_rate=cfg.dropout_rate,
+                       deterministic=self.deterministic, kernel_init=self.kernel_init, out_init=self.out_init,
+                       name="mlp", **kw)(norm("mlp_ln")(x))
+    return layers.constrain(x, ("batch", "length", "embed")), None   # (x, cache) as blocks.stack's blocks
+
+
+class Head(nn.Module):
+  """HF ModernBertPredictionHead: LN(act(dense(x))), no biases."""
+  cfg: Any
+  kernel_init: layers.Init
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    kw = layers.dtypes(cfg)
+    x = layers.Dense((cfg.d_model,), ("embed", "mlp"), use_bias=False, kernel_init=self.kernel_init, name="dense",
+                     **kw)(x)
+    return layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, name="ln", **kw)(layers.activation(cfg.activation)(x))
+
+
+def is_global(cfg, i: int) -> bool:
+  return i % cfg.global_every == 0
+
+
+class Model(nn.Module):
+  """batch: input_ids (B,L), attention_mask (default 1s), optional mlm_positions (B,P); token_type_ids are
+  ignored. -> logits (B,L,V) or (B,P,V) at mlm_positions, and hidden (the final-norm states). A classifier
+  (num_labels > 0): logits (B, num_labels), hidden, pooled."""
+  cfg: Any
+
+  @nn.compact
+  def __call__(self, batch: dict, train: bool = False) -> dict:
+    cfg = self.cfg
+    kw = layers.dtypes(cfg)
+    init = nn.initializers.truncated_normal(cfg.initializer_range)
+    out_init = nn.initializers.truncated_normal(cfg.initializer_range / math.sqrt(2 * cfg.num_layers))
+    ids = batch["input_ids"]
+    attention_mask = batch.get("attention_mask", jnp.ones_like(ids))
+
+    embed = layers.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="word_embeddings", **kw)
+    x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, name="embeddings_ln", **kw)(embed(ids))
+    x = layers.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+    x = layers.constrain(x, ("batch", "length", "embed"))
+
+    length = ids.shape[1]
+    positions = jnp.arange(length)[None]
+    masks = {True: attention.make_attention_mask(attention_mask),
+             False: attention.make_attention_mask(attention_mask, window=cfg.sliding_window, q_len=length,
+                                                  kv_len=length)}
+    block = Block
+    if cfg.remat_policy != "none":
+      block = nn.remat(Block, policy=layers.REMAT_POLICIES[cfg.remat_policy])
+    for i in range(cfg.num_layers):
+      glob = is_global(cfg, i)
+      x, _ = block(cfg, first=i == 0, rope_theta=cfg.rope_theta if glob else cfg.local_rope_theta,
+                   window=None if glob else cfg.sliding_window, deterministic=not train, kernel_init=init,
+                   out_init=out_init, name=f"layers_{i}")(x, masks[glob], positions)
+    x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, name="final_ln", **kw)(x)
+
+    if cfg.get("num_labels", 0):
+      if cfg.classifier_pooling == "cls":
+        pooled = x[:, 0]
+      else:
+        m = attention_mask[..., None].astype(x.dtype)
+        pooled = (x * m).sum(1) / jnp.maximum(m.sum(1), 1)
+      h = layers.Dropout(cfg.dropout_rate, deterministic=not train)(Head(cfg, out_init, name="head")(pooled))
+      logits = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier", **kw)(h)
+      return {"logits": logits.astype(jnp.float32), "hidden": x, "pooled": pooled}
+    h = x
+    if "mlm_positions" in batch:
+      h = jnp.take_along_axis(x, batch["mlm_positions"][..., None], axis=1)
+    bias = self.param("decoder", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,),
+                      kw["param_dtype"])
+    # the activations' usual sharding before the tied decoder: see bert.MLMHead
+    h = layers.constrain(Head(cfg, out_init, name="head")(h), ("batch", "length", "embed"))
+    logits = embed.attend(h) + bias.astype(kw["dtype"])
+    return {"logits": layers.constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32), "hidden": x}
+
+
+def check_config(cfg) -> None:
+  n = cfg.get("num_labels", 0)
+  if not isinstance(n, int) or n < 0:
+    raise ValueError(f"model.num_labels must be a non-negative integer (0 = the MLM head), got {n!r}")
+  if cfg.scan_layers:
+    raise ValueError("model.family='modernbert' has layers that differ (layer 0 has no attention norm, every "
+                     "model.global_every-th layer is global): set model.scan_layers=False")
+  if cfg.classifier_pooling not in POOLING:
+    raise ValueError(f"unknown model.classifier_pooling {cfg.classifier_pooling!r}; known: {', '.join(POOLING)}")
+  for name in ("rope_theta", "local_rope_theta"):
+    if not cfg[name] > 0:
+      raise ValueError(f"model.{name} must be positive, got {cfg[name]!r}")
+
+
+def example_batch(cfg) -> dict:
+  ids = jnp.zeros((1, 2), jnp.int32)
+  return {"input_ids": ids, "attention_mask": ids + 1}
+
+
+def forward_flops(cfg, lengths) -> float:
+  """The layers (local ones too compute the whole L x L grid, masked), then a classifier (num_labels > 0) on the
+  pooled state, or the MLM head (transform + tied decoder) on the scored positions."""
+  d, scored = cfg.d_model, lengths.scored
+  total = cfg.num_layers * flops.encoder_layer(cfg, lengths.inputs)
+  if cfg.get("num_labels", 0):
+    return total + flops.dense(1, d, d) + flops.dense(1, d, cfg.num_labels)
+  return total + flops.dense(scored, d, d) + flops.dense(scored, d, cfg.vocab_size)
+
+
+FAMILY = Family(
+    name="modernbert", layout="encoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
+    fields=FIELDS, sizes=("max_positions", "global_every", "sliding_window"), check_config=check_config, heads=HEADS,
+    activation_bytes=functools.partial(costs.one_stack, head_transform=True),
+    tokens=Tokens(spm=dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
+                           control_symbols=["[CLS]", "[SEP]", "[MASK]"]),
+                  required=("pad_id", "cls_id", "sep_id", "mask_id"), template=("cls_id", "$A", "sep_id")))
