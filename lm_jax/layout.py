@@ -1,6 +1,6 @@
 """A run's layout: what its config and mesh fix before any array exists, built by one function for every caller.
 
-The trainer (train.setup), --mode=compile and --plan (plan/aot) and the memory estimate (plan/memory) all call
+The trainer (lm_jax.setup), --mode=compile and --plan (plan/aot) and the memory estimate (plan/memory) all call
 `build`, so what is planned is what trains: the optimizer, the abstract train state (params, optimizer state,
 step) and where each of its arrays lives on the mesh. It reads no file and allocates nothing, so `mesh` may be an
 AbstractMesh of a slice this host does not have.

@@ -16,7 +16,7 @@ done in no time). config.profile traces chosen steps (lm_jax.obs.profiling).
 What every trainer sets up around its loop and tears down after it is one context manager, `session`: the mesh and
 logical rules, the checkpoint managers, the goodput ledger, the metrics log, and at a clean end the final saves
 awaited, the managers closed, the goodput line and the log closed, the data iterators closed. (The workdir's lock is
-taken earlier, by train.setup, once the config is valid.) SIGTERM is handled by `Preemption` inside `run`.
+taken earlier, by lm_jax.setup, once the config is valid.) SIGTERM is handled by `Preemption` inside `run`.
 
 Dependencies: checkpoint, goodput, metrics_log, profiling; the trainers (train, rlhf) build on this module.
 """

@@ -14,7 +14,7 @@ from lm_jax.data import pipeline
 from lm_jax.evals import evaluators
 from lm_jax.obs import goodput
 from lm_jax.plan import hardware, memory
-from lm_jax.setup import Setup, setup   # the trainers' setup: train.setup (rlhf/ppo, the tests)
+from lm_jax.setup import Setup, setup
 
 
 def _train_iterator(s: Setup):

@@ -1,5 +1,5 @@
 """One run per workdir: the trainers (lm_jax.train.train, lm_jax.rlhf.ppo.train) hold WORKDIR/run.lock from the
-moment their config is valid (train.setup) to their end, so a second run in the same workdir stops at start in one
+moment their config is valid (lm_jax.setup) to their end, so a second run in the same workdir stops at start in one
 line naming the holder's host and pid, instead of both writing metrics.jsonl and checkpoints (one run's results
 lost). Read-only modes (eval, export, generate, predict, fill_mask, zeroshot, summary) take no lock.
 

@@ -5,7 +5,7 @@ import re
 import jax
 
 from conftest import load_config
-from lm_jax import step, train
+from lm_jax import setup as setup_lib, step, train
 from lm_jax.plan import aot, memory
 
 
@@ -18,7 +18,7 @@ def test_memory_line_is_the_compiled_steps_memory_analysis(shared_data, tmp_path
   compiled_part, estimate_part = line[0].split(" | ")
   shown = dict(re.findall(r"(arguments|outputs|aliased|temporaries|code|total) (\d+\.\d)", compiled_part))
 
-  s = train.setup(config, str(tmp_path))
+  s = setup_lib.setup(config, str(tmp_path))
   jitted = step.make_train_step(s.config, s.objective, s.tx, s.lr_schedule, s.state_sharding, s.mesh)
   a = jitted.lower(*aot.abstract_inputs(s.config, s.objective, s.abstract_state, s.state_sharding,
                                         s.mesh)).compile().memory_analysis()

@@ -12,7 +12,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lm_jax import checkpoint_export, checks, config_lib, defaults, init_from, models, objectives, optim, params, train
+from lm_jax import (checkpoint_export, checks, config_lib, defaults, init_from, models, objectives, optim, params,
+                    setup as setup_lib, train)
 from lm_jax.data import pipeline, records, tasks, tfds_prepare, tokenizer as tokenizer_lib
 from lm_jax.evals import evaluate, predict, run_eval
 from lm_jax.hf import export
@@ -281,7 +282,7 @@ def test_trainable_count_is_the_hand_count():
 def test_freeze_and_init_errors_name_the_field(tiny_hf, sst2):
   def error(**overrides):
     with pytest.raises(config_lib.ConfigError) as e:
-      train.setup(finetune_config(sst2, tiny_hf, **overrides), "/tmp/unused_finetune_workdir")
+      setup_lib.setup(finetune_config(sst2, tiny_hf, **overrides), "/tmp/unused_finetune_workdir")
     return str(e.value)
   assert "matches no parameter" in error(**{"finetune.freeze": ("embedings",)})
   assert "scan_layers=False" in error(**{"finetune.freeze": ("layers_0/",), "model.scan_layers": True})
@@ -300,7 +301,7 @@ def test_finetune_from_a_workdir_then_eval_and_predict_it(frozen_run, sst2, tmp_
   _, source, first = frozen_run
   config = finetune_config(sst2, str(source), **{"model.scan_layers": True, "total_steps": 1, "eval_every": 0,
                                                  "checkpoint_every": 1, "task.test_split": "test[:50]"})
-  s = train.setup(config, str(tmp_path))
+  s = setup_lib.setup(config, str(tmp_path))
   with jax.set_mesh(s.mesh):
     start = init_from.pretrained_params(s.config, s.mesh, s.rules)
   looped = first["state"]["params"]

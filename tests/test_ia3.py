@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from lm_jax import checkpoint_export, config_lib, defaults, hf, models, params as params_lib, train
+from lm_jax import (checkpoint_export, config_lib, defaults, hf, models, params as params_lib, setup as setup_lib,
+                    train)
 from lm_jax.hf import export
 from test_lora import MODELS, _get, batch, load_hf, load_peft   # the same tiny models and HF / PEFT loading
 
@@ -157,14 +158,14 @@ def test_trainer_trains_only_vectors_and_head_exports_and_imports_peft(tmp_path,
     assert np.array_equal(leaf, _get(loaded, path)), jax.tree_util.keystr(path)
   vectors = jax.tree.leaves(state["params"]["ia3"])
   assert len(vectors) == 8 and all(np.abs(v - 1).max() > 0 for v in vectors)   # trained away from their ones
-  trainable, total = params_lib.count(train.setup(config, str(tmp_path / "run")).config)
+  trainable, total = params_lib.count(setup_lib.setup(config, str(tmp_path / "run")).config)
   assert trainable == sum(v.size for v in vectors) + 32 * 2 + 2
 
   checkpoint_export.export_checkpoint(config, str(tmp_path / "run"), str(tmp_path / "export"))
   saved = json.loads((tmp_path / "export" / "adapter" / "adapter_config.json").read_text())
   assert saved["peft_type"] == "IA3" and saved["modules_to_save"] == ["classifier"]
   adapted = load_peft(load_hf("bert", str(tmp_path / "export")), str(tmp_path / "export" / "adapter"))
-  run_cfg = train.setup(config, str(tmp_path / "run")).config
+  run_cfg = setup_lib.setup(config, str(tmp_path / "run")).config
   b = batch("bert")
   close(forward(run_cfg)(state["params"], b), theirs(adapted, b))
 

@@ -17,7 +17,7 @@ from flax import linen as nn
 
 from conftest import REPO
 from lm_jax import (checkpoint_export, config_lib, decoding, defaults, hf, layout, models, objectives,
-                    params as params_lib, sharding, step, train)
+                    params as params_lib, setup as setup_lib, sharding, step, train)
 from lm_jax.hf import export
 from lm_jax.models import nf4
 from lm_jax.peft import lora
@@ -274,7 +274,7 @@ def test_trainer_trains_only_adapters_and_head_and_exports_peft(tmp_path, shared
   assert saved["modules_to_save"] == ["classifier"] and saved["r"] == 4
   adapted = load_peft(load_hf("bert", str(tmp_path / "export")), str(tmp_path / "export" / "adapter"))
   b = batch("bert")
-  run_cfg = train.setup(config, str(tmp_path / "run")).config
+  run_cfg = setup_lib.setup(config, str(tmp_path / "run")).config
   close(forward(run_cfg)(state["params"], b)[:2], theirs(adapted, b))
   close(theirs(load_hf("bert", str(tmp_path / "merged")), b), theirs(adapted.merge_and_unload(), b))
 

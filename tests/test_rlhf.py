@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lm_jax import checks, config_lib, decoding, models, train
+from lm_jax import checks, config_lib, decoding, models, setup as setup_lib, train
 from lm_jax.data import instructions, toy_tasks
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.evals import run_eval
@@ -182,7 +182,7 @@ def test_sft_learns_the_instruction_task(toy, sft_run):
   c, workdir, result = sft_run
   tok = toy["tok"]
   held_out = [json.loads(l) for l in open(toy["instruction"].format(split="dev"))]
-  model_cfg = train.setup(c, workdir).config.model
+  model_cfg = setup_lib.setup(c, workdir).config.model
   out = decoding.generate(model_cfg, result["state"]["params"], [tok.encode(r["prompt"]) for r in held_out],
                           max_new_tokens=8, eos_id=tok.eos_id, pad_id=tok.pad_id)
   exact = np.mean([tok.decode(o[:-1]) == r["response"] and o[-1] == tok.eos_id for o, r in zip(out, held_out)])

@@ -1,6 +1,6 @@
 """The PPO trainer for decoder-only models (InstructGPT's third step, Ouyang et al. 2022; Ziegler et al. 2019; the
 formulas of TRL's PPOTrainer, lm_jax/rlhf/ppo_math.py): main.py runs `train` for an objective that trains on its own
-rollouts (config.objective='ppo', Objective.rollouts). Dependencies: main -> rlhf -> train, loop, objectives;
+rollouts (config.objective='ppo', Objective.rollouts). Dependencies: main -> rlhf -> setup, loop, objectives;
 nothing outside rlhf/ but main imports it.
 
 One iteration: rollout (rollout.py: config.batch_size prompts drawn from config.ppo.prompts, read once in SFT's
@@ -35,8 +35,8 @@ from etils import epath
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lm_jax import (checkpoint, init_from, loop as loop_lib, models, params as params_lib, sharding, step,
-                    train as train_lib)
+from lm_jax import (checkpoint, init_from, loop as loop_lib, models, params as params_lib, setup as setup_lib,
+                    sharding, step)
 from lm_jax.data import instructions, pipeline, tokenizer as tokenizer_lib
 from lm_jax.models import layers
 from lm_jax.objectives import clm, rewards
@@ -82,7 +82,7 @@ def _reward_model(config, tokenizer):
 @dataclasses.dataclass(frozen=True)
 class Run:
   """What a PPO run builds before its first iteration; loop() can run it several times (tests do)."""
-  setup: train_lib.Setup
+  setup: setup_lib.Setup
   workdir: str             # where build() found or trained the tokenizer
   policy: update.Part
   value: update.Part
@@ -95,13 +95,13 @@ class Run:
 
 
 def build(config, workdir: str, devices=None, *, held: contextlib.ExitStack | None = None) -> Run:
-  """Validates the config (train.setup: one-line errors; with `held`, the trainer's run, it takes the workdir's
+  """Validates the config (lm_jax.setup: one-line errors; with `held`, the trainer's run, it takes the workdir's
   lock), reads the prompts, lays out both models, loads or initialises their params and the reward model's, and jits
   the scoring pass and the updates."""
   reward_from = config.ppo.reward_from   # checked before the workdir and tokenizer are made
   if reward_from and not (epath.Path(reward_from) / "checkpoints").is_dir():
     raise FileNotFoundError(f"config.ppo.reward_from={reward_from!r} is not a run's workdir (no checkpoints/ in it)")
-  s = train_lib.setup(config, workdir, devices, held=held)
+  s = setup_lib.setup(config, workdir, devices, held=held)
   c, p = s.config, s.config.ppo
   reward_model = _reward_model(c, s.tokenizer) if p.reward_from else None
   value_model = reward_model or layers.replace(c.model, num_labels=1)
@@ -123,7 +123,7 @@ def build(config, workdir: str, devices=None, *, held: contextlib.ExitStack | No
              scoring.scoring_pass(s.policy, value.policy, reward_model, s.mesh), rollout.sampler(s.policy), initial)
 
 
-def _initial_params(s: train_lib.Setup, policy: update.Part, value: update.Part, reward_model) -> dict:
+def _initial_params(s: setup_lib.Setup, policy: update.Part, value: update.Part, reward_model) -> dict:
   """The policy's params (config.init_from's where it has them, else the seeded init), the reward model's, and the
   value model's: the reward model's, or the policy's with a fresh head."""
   c = s.config
@@ -229,7 +229,7 @@ def _policy_workdir(run: Run, workdir: str):
 
 def train(config, workdir: str, *, devices=None) -> dict:
   """PPO iterations up to config.phase_end_step or total_steps, resuming the latest checkpoint in workdir ->
-  {'step', 'train': the last iteration's record, 'state': the PPO state}. One run per workdir (train.setup)."""
+  {'step', 'train': the last iteration's record, 'state': the PPO state}. One run per workdir (lm_jax.setup)."""
   with contextlib.ExitStack() as held:
     return loop(build(config, workdir, devices, held=held), workdir)
 
