@@ -126,6 +126,16 @@ def test_mqa_tied_both_ways(tmp_path):
   assert (m.num_kv_heads, m.tie_embeddings) == (1, True) and "lm_head" not in p
 
 
+def test_unsupported_checkpoints_are_refused_in_one_line():
+  """Llama 3's scaled rotary frequencies, biases and other activations would load with wrong logits: refused."""
+  hf = transformers.LlamaConfig(**SHAPE).to_dict()
+  for change, field in (({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3"),
+                        ({"attention_bias": True}, "attention_bias"), ({"hidden_act": "gelu"}, "hidden_act")):
+    with pytest.raises(ValueError, match=field) as e:
+      hf_lib.family_module("llama").config_from_hf(hf | change)
+    assert "\n" not in str(e.value)
+
+
 def test_generate_matches_transformers(gqa):
   hf, m, p = gqa
   check_generate(m, p, hf)
