@@ -90,7 +90,7 @@ def main(argv=None):
   c.add_argument("--widths", default="64,128,256,512", help="d_model values, increasing; µP's base is the first")
   c.add_argument("--out", required=True, help="folder for mup.json, sp.json and coord_check.png")
   c.add_argument("--steps", type=int, default=3, help="Adam steps before recording")
-  c.add_argument("--lr", type=float, default=1e-2)
+  c.add_argument("--lr", type=float, default=3e-3, help="Adam lr (SP's logits blow up above ~1e-2 at 512)")
   c.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
 

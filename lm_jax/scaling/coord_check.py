@@ -83,7 +83,7 @@ def record(config, model_cfg, tokens: dict, *, steps: int, lr: float, seed: int 
   return {k: float(v) for k, v in measure(p).items()}
 
 
-def run(config, widths: list[int], *, steps: int = 3, lr: float = 1e-2, batch_size: int = 8, length: int = 64,
+def run(config, widths: list[int], *, steps: int = 3, lr: float = 3e-3, batch_size: int = 8, length: int = 64,
         seed: int = 0) -> dict:
   """{parametrization: {"parametrization", "widths", "layers": {name: [mean |x| per width]}}}."""
   if len(widths) < 2 or any(not isinstance(w, int) or w <= 0 for w in widths) or sorted(set(widths)) != widths:
