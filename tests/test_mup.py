@@ -89,7 +89,7 @@ def torch_mup():
   groups = mup_pkg.MuAdam(model.parameters(), lr=1.0).param_groups
   lr = {name: next(g["lr"] for g in groups if any(q is p for q in g["params"])) for name, p in named.items()}
   x = torch.randn(3, WIDTH)
-  readout = float((model.readout(x) / (x @ model.word_embeddings.weight.T)).mean())
+  readout = float((model.readout(x) / (x @ model.word_embeddings.weight.T)).mean().detach())
   return init, lr, readout
 
 
@@ -111,7 +111,7 @@ def test_init_and_lr_factors_equal_the_mup_package(torch_mup):
 
 def test_init_applies_the_factors():
   """params.init under µP is the SP init (same rng) times init_scales."""
-  sp, mu = (_config(d_model=WIDTH, d_ff=4 * WIDTH, mup_base_width=b) for b in (0, BASE))
+  sp, mu = (_config(num_layers=1, d_model=2 * BASE, d_ff=8 * BASE, mup_base_width=b) for b in (0, BASE))
   p_sp, p_mu = (_flat(params_lib.init(c, jax.random.key(0))) for c in (sp, mu))
   scales = _flat(mup.init_scales(mu.model, models.logical_axes(mu.model)))
   for name, value in p_mu.items():
@@ -133,7 +133,7 @@ def test_attention_scale_is_one_over_d():
   np.testing.assert_allclose(ours.apply({"params": p}, x)[0], expect, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("spec", ["configs/gpt2.py:tiny", "configs/llama.py:tiny", "configs/bert.py:tiny"])
+@pytest.mark.parametrize("spec", ["configs/gpt2.py:tiny", "configs/llama.py:tiny"])
 def test_base_width_equal_to_the_width_is_the_standard_model(spec):
   """Params, logits and one Adam step (with weight decay) are bitwise those of model.mup_base_width = 0."""
   out = []
@@ -154,7 +154,7 @@ def test_base_width_equal_to_the_width_is_the_standard_model(spec):
 def test_coord_check_under_mup_flat_under_sp_growing():
   """Two widths, 4x apart (the full 64..512 check: docs/mup.md): every µP layer within 2x, SP's logits grow."""
   config = _config()
-  results = coord_check.run(config, [64, 256], steps=3, batch_size=4, length=32)
+  results = coord_check.run(config, [64, 256], steps=3, batch_size=2, length=32)
   assert set(results) == {"mup", "sp"} and results["mup"]["widths"] == [64, 256]
   layers = results["mup"]["layers"]
   assert {"word_embeddings", "position_embeddings", "layers_0/attention", "layers_1/mlp", "logits"} <= set(layers)
@@ -173,6 +173,14 @@ def test_bad_base_width_is_one_line(field, value, message):
   cfg.model[field] = value
   with pytest.raises(ValueError, match=message):
     models.validate(cfg.model)
+
+
+def test_mup_export_to_hugging_face_is_refused(tmp_path):
+  from lm_jax.hf import export
+  config = _config(mup_base_width=64)
+  with pytest.raises(ValueError, match="model.mup_base_width=64: a µP model's readout"):
+    export.save_hf(config.model, {}, str(tmp_path))
+  assert not list(tmp_path.iterdir())
 
 
 def test_mup_with_adafactor_is_refused():
@@ -203,11 +211,11 @@ def test_mup_transfer_bench_tiny(shared_data, tmp_path, capsys):
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
   out = tmp_path / "transfer.json"
-  bench.main(["--widths=32,64", "--lrs=-8,-6", "--steps=2", "--batch=2", "--seq_len=16", "--eval_batches=1",
+  bench.main(["--widths=32,64", "--lrs=-6", "--steps=2", "--batch=2", "--seq_len=16", "--eval_batches=1",
               f"--data={shared_data / 'tiny_shakespeare' / 'input.txt'}", f"--out={out}"])
   printed = capsys.readouterr().out
   assert "mup: optimum moves" in printed and "sp: optimum moves" in printed, printed
   result = json.loads(out.read_text())
   assert set(result["summary"]) == {"mup", "sp"}
   losses = [v for per_width in result["losses"].values() for per_lr in per_width.values() for v in per_lr.values()]
-  assert len(losses) == 8 and all(4 < v < 6 for v in losses), losses   # near ln 256 = 5.5 after 2 steps
+  assert len(losses) == 4 and all(4 < v < 6 for v in losses), losses   # near ln 256 = 5.5 after 2 steps

@@ -19,6 +19,7 @@ from lm_jax import models, optim, params as params_lib, storage
 from lm_jax.models import layers
 
 PARAMETRIZATIONS = ("mup", "sp")
+TITLES = {"mup": "µP", "sp": "SP"}
 RECORDED = ("word_embeddings", "position_embeddings", "token_type_embeddings", "attention", "mlp")   # module names
 
 
@@ -109,8 +110,9 @@ def plot(results: dict):
   for ax, (name, r) in zip(axes, results.items()):
     for layer, values in r["layers"].items():
       ax.plot(r["widths"], values, marker="o", label=layer, lw=2.5 if layer == "logits" else 1.2)
-    ax.set(xscale="log", yscale="log", xlabel="width (d_model)", title=f"{name.upper()}: mean |x| after the steps")
+    ax.set(xscale="log", yscale="log", xlabel="width (d_model)", title=f"{TITLES[name]}: mean |x| after the steps")
     ax.set_xticks(r["widths"], [str(w) for w in r["widths"]])
+    ax.minorticks_off()
   axes[0].set_ylabel("mean |activation|")
   axes[-1].legend(fontsize=7, loc="best")
   return fig
