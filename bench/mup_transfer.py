@@ -84,6 +84,7 @@ def main(argv=None):
   p.add_argument("--widths", default="64,128,256,512")
   p.add_argument("--lrs", default="-12,-11,-10,-9,-8,-7,-6,-5", help="log2 of the learning rates")
   p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--layers", type=int, default=0, help="model.num_layers (0: the config's)")
   p.add_argument("--warmup", type=int, default=0)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq_len", type=int, default=64)
@@ -95,16 +96,19 @@ def main(argv=None):
   widths, lrs = [int(w) for w in args.widths.split(",")], [int(v) for v in args.lrs.split(",")]
   text = pathlib.Path(args.data).read_bytes()
   cut = len(text) * 9 // 10
-  config = config_lib.load(args.config, {"model.vocab_size": 256, "model.max_positions": args.seq_len})
-  results = {}
+  overrides = {"model.vocab_size": 256, "model.max_positions": args.seq_len}
+  config = config_lib.load(args.config, {**overrides, **({"model.num_layers": args.layers} if args.layers else {})})
+  results, done = {}, {}   # done: loss by (model config, lr); µP at the base width is SP's model (widen)
   for name in coord_check.PARAMETRIZATIONS:
     results[name] = {}
     for w in widths:
       model_cfg = coord_check.widen(config.model, w, widths[0] if name == "mup" else 0)
       results[name][w] = {}
       for e in lrs:
-        start = time.perf_counter()
-        results[name][w][e] = trial(config, model_cfg, 2.0 ** e, text[:cut], text[cut:], args)
+        start, key = time.perf_counter(), (model_cfg.to_json(), e)
+        if key not in done:
+          done[key] = trial(config, model_cfg, 2.0 ** e, text[:cut], text[cut:], args)
+        results[name][w][e] = done[key]
         print(f"{name} width {w} lr 2^{e}: held-out loss {results[name][w][e]:.4f} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
   print(f"\n{args.steps} steps, batch {args.batch} x {args.seq_len} bytes; held-out loss per log2 lr")

@@ -153,11 +153,11 @@ def test_base_width_equal_to_the_width_is_the_standard_model(spec):
 
 def test_coord_check_under_mup_flat_under_sp_growing():
   """Two widths, 4x apart (the full 64..512 check: docs/mup.md): every µP layer within 2x, SP's logits grow."""
-  config = _config()
+  config = _config(num_layers=1)
   results = coord_check.run(config, [64, 256], steps=3, batch_size=2, length=32)
   assert set(results) == {"mup", "sp"} and results["mup"]["widths"] == [64, 256]
   layers = results["mup"]["layers"]
-  assert {"word_embeddings", "position_embeddings", "layers_0/attention", "layers_1/mlp", "logits"} <= set(layers)
+  assert {"word_embeddings", "position_embeddings", "layers_0/attention", "layers_0/mlp", "logits"} <= set(layers)
   for name, (narrow, wide) in layers.items():
     assert 0.5 <= wide / narrow <= 2, (name, narrow, wide)
   sp = results["sp"]["layers"]["logits"]
@@ -211,7 +211,7 @@ def test_mup_transfer_bench_tiny(shared_data, tmp_path, capsys):
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
   out = tmp_path / "transfer.json"
-  bench.main(["--widths=32,64", "--lrs=-6", "--steps=2", "--batch=2", "--seq_len=16", "--eval_batches=1",
+  bench.main(["--widths=32,64", "--lrs=-6", "--steps=2", "--layers=1", "--batch=2", "--seq_len=16", "--eval_batches=1",
               f"--data={shared_data / 'tiny_shakespeare' / 'input.txt'}", f"--out={out}"])
   printed = capsys.readouterr().out
   assert "mup: optimum moves" in printed and "sp: optimum moves" in printed, printed

@@ -24,12 +24,13 @@ RECORDED = ("word_embeddings", "position_embeddings", "token_type_embeddings", "
 
 
 def widen(model_cfg, width: int, base: int):
-  """model_cfg at d_model = width (d_ff, head_dim scaled alike), dropout off, looped layers; mup_base_width = base."""
+  """model_cfg at d_model = width (d_ff, head_dim scaled alike), dropout off, looped layers; mup_base_width = base,
+  or 0 at the base width itself (the same model: lm_jax/models/mup.py), so equal configs mean equal runs."""
   ratio = width / model_cfg.d_model
   if not model_cfg.get("head_dim", 0) and width % model_cfg.num_heads:
     raise ValueError(f"--widths: {width} is not divisible by model.num_heads={model_cfg.num_heads}")
-  fields = dict(d_model=width, d_ff=max(1, round(model_cfg.d_ff * ratio)), mup_base_width=base, scan_layers=False,
-                dropout_rate=0.0, attention_dropout_rate=0.0)
+  fields = dict(d_model=width, d_ff=max(1, round(model_cfg.d_ff * ratio)), mup_base_width=0 if base == width else base,
+                scan_layers=False, dropout_rate=0.0, attention_dropout_rate=0.0)
   if model_cfg.get("head_dim", 0):
     fields["head_dim"] = max(1, round(model_cfg.head_dim * ratio))
   return layers.replace(model_cfg, **fields)
@@ -90,12 +91,15 @@ def run(config, widths: list[int], *, steps: int = 3, lr: float = 3e-3, batch_si
   if len(widths) < 2 or any(not isinstance(w, int) or w <= 0 for w in widths) or sorted(set(widths)) != widths:
     raise ValueError(f"--widths needs two or more increasing positive integers, got {widths}")
   tokens = batch(config.model, batch_size, min(length, config.model.get("max_positions", length)), seed)
-  results = {}
+  results, done = {}, {}
   for name in PARAMETRIZATIONS:
     cfgs = [widen(config.model, w, widths[0] if name == "mup" else 0) for w in widths]
     for c in cfgs:
       models.validate(c)
-    per_width = [record(config, c, tokens, steps=steps, lr=lr, seed=seed) for c in cfgs]
+    for c in cfgs:   # µP at the base width is SP's run: done once
+      if c.to_json() not in done:
+        done[c.to_json()] = record(config, c, tokens, steps=steps, lr=lr, seed=seed)
+    per_width = [done[c.to_json()] for c in cfgs]
     names = [k for k in per_width[0] if k != "logits"] + ["logits"]
     results[name] = {"parametrization": name, "widths": widths,
                      "layers": {k: [r[k] for r in per_width] for k in names}}
