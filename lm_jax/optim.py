@@ -22,7 +22,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from lm_jax import params as params_lib
-from lm_jax.models import layers
+from lm_jax.models import layers, mup
 
 OPTIMIZERS = ("bert_adamw", "adam_l2", "adafactor", "adamw")
 SCHEDULES = ("linear", "cosine", "rsqrt", "constant")
@@ -64,10 +64,12 @@ class AdamState(NamedTuple):
 
 
 def adam(lr, b1: float, b2: float, eps: float, weight_decay: float, decay_mask, clip_norm: float = 0.0,
-         bias_correction: bool = True) -> optax.GradientTransformation:
+         bias_correction: bool = True, lr_scales=None) -> optax.GradientTransformation:
   """Global-norm clipping + Adam + decoupled weight decay on decay_mask's leaves, one expression per
   parameter. Equals optax.chain(clip_by_global_norm(clip_norm), adamw(lr, b1, b2, eps, weight_decay,
-  mask=decay_mask)); bias_correction=False is BERT's AdamWeightDecayOptimizer."""
+  mask=decay_mask)); bias_correction=False is BERT's AdamWeightDecayOptimizer. lr_scales (a tree like the params,
+  µP's: lm_jax.models.mup.lr_scales) multiplies each param's lr and divides its weight decay, as mup.MuAdam's
+  param groups do: lr * weight decay stays as set."""
   def init(params):
     return AdamState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, params),
                      jax.tree.map(jnp.zeros_like, params))
@@ -82,16 +84,19 @@ def adam(lr, b1: float, b2: float, eps: float, weight_decay: float, decay_mask, 
     c2 = 1 - b2 ** count.astype(jnp.float32) if bias_correction else 1.0
     step_size = -(lr(state.count) if callable(lr) else lr)
 
-    def leaf(g, m, v, p, decay):
+    def leaf(g, m, v, p, decay, k=1.0):
       g = g * scale
       m = b1 * m + (1 - b1) * g
       v = b2 * v + (1 - b2) * g * g
       u = (m / c1) / (jnp.sqrt(v / c2) + eps)
+      if k != 1.0:
+        u = u * k
       if decay and weight_decay:
         u = u + weight_decay * p
       return (step_size * u).astype(p.dtype), m, v
 
-    out = jax.tree.map(leaf, grads, state.mu, state.nu, params, decay_mask)
+    out = jax.tree.map(leaf, grads, state.mu, state.nu, params, decay_mask,
+                       *(() if lr_scales is None else (lr_scales,)))
     pick = lambda i: jax.tree.map(lambda _, o: o[i], grads, out)
     return pick(0), AdamState(count, pick(1), pick(2))
 
@@ -123,7 +128,9 @@ def scale_updates(scales) -> optax.GradientTransformation:
 def make(policy, logical_axes):
   """Returns (optax transformation, lr schedule) for config.optimizer; policy: the run's params.Policy (a config is
   resolved); logical_axes from lm_jax.models. The transformation is over the trainable params only
-  (policy.trainable), with config.finetune.layer_decay's per-layer learning rates when it is below 1."""
+  (policy.trainable), with config.finetune.layer_decay's per-layer learning rates when it is below 1 and µP's
+  per-param ones with model.mup_base_width (Adam family only: Adafactor's parameter-scaled steps are another
+  parametrization)."""
   policy = params_lib.resolve(policy)
   config = policy.config
   logical_axes = params_lib.split(logical_axes, policy.trainable)[0]
@@ -131,6 +138,10 @@ def make(policy, logical_axes):
   if opt.name not in OPTIMIZERS:
     raise ValueError(f"config.optimizer.name={opt.name!r} unknown; use one of {', '.join(OPTIMIZERS)}")
   lr = schedule(opt, config.total_steps)
+  mup_scales = mup.lr_scales(config.model, logical_axes) if mup.width_mult(config.model) != 1.0 else None
+  if opt.name == "adafactor" and mup.base_width(config.model):
+    raise ValueError("model.mup_base_width needs an Adam-family optimizer (config.optimizer.name: bert_adamw, "
+                     "adam_l2, adamw), not adafactor")
   if opt.name == "adafactor":
     tx = optax.adafactor(lr, weight_decay_rate=opt.weight_decay or None,
                          weight_decay_mask=decay_mask(logical_axes) if opt.weight_decay else None)
@@ -138,7 +149,7 @@ def make(policy, logical_axes):
       tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm), tx)
   else:
     tx = adam(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, decay_mask(logical_axes), opt.clip_norm,
-              bias_correction=opt.name != "bert_adamw")
+              bias_correction=opt.name != "bert_adamw", lr_scales=mup_scales)
   if policy.layer_decay != 1.0:
     tx = optax.chain(tx, scale_updates(layer_lr_scales(logical_axes, config.model.num_layers, policy.layer_decay)))
   return tx, lr

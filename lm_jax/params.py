@@ -27,7 +27,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from lm_jax import defaults, models
-from lm_jax.models import layers, nf4
+from lm_jax.models import layers, mup, nf4
 from lm_jax.peft import methods, targets
 
 
@@ -90,10 +90,18 @@ def init(run, rng: jax.Array) -> dict:
   p = resolve(run)
   config, m = p.config, p.adapter
   if m is None:
-    return models.init(config.model, rng)
+    return _model_init(config.model, rng)
   targets.kernels(config, config[m.NAME])   # outside the trace: validates config.model, caches the targets
-  return jax.jit(lambda r: {**m.quantize(config, models.init(config.model, r)),
+  return jax.jit(lambda r: {**m.quantize(config, _model_init(config.model, r)),
                             m.KEY: m.init(config, jax.random.fold_in(r, 1))})(rng)
+
+
+def _model_init(model_cfg, rng: jax.Array) -> dict:
+  """models.init with µP's init scales when model.mup_base_width is set (lm_jax.models.mup)."""
+  params = models.init(model_cfg, rng)
+  if mup.width_mult(model_cfg) == 1.0:
+    return params
+  return mup.rescale_init(model_cfg, params, models.logical_axes(model_cfg))
 
 
 _ABSTRACT = {}   # (model json, method, method group json) -> abstract params: start-up asks for them several times

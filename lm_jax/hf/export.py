@@ -46,6 +46,9 @@ def save_hf(model_cfg, params, out_dir: str, tokenizer: tokenizer_lib.Tokenizer 
   run's) also the tokenizer files, which give its ids."""
   fam = models.family(model_cfg)
   mod = hf.family_module(fam.name)
+  if model_cfg.get("mup_base_width", 0) not in (0, model_cfg.d_model):
+    raise ValueError(f"model.mup_base_width={model_cfg.mup_base_width}: a µP model's readout and attention multipliers "
+                     "have no place in the Hugging Face classes (docs/mup.md)")
   config = mod.hf_config(model_cfg)
   if tokenizer is not None and fam.layout == "decoder" and tokenizer.eos_id is not None:
     # The tokenizer's own ids: without them transformers fills in GPT-2's 50256, outside a trained vocabulary.

@@ -210,6 +210,7 @@ class Attention(nn.Module):
   window: int | None = None
   use_bias: bool = True
   scale_logits: bool = True
+  logit_scale: float | None = None   # with scale_logits: None = 1/sqrt(head_dim); µP's (mup.attention_scale)
   dropout_rate: float = 0.0
   deterministic: bool = True
   dtype: Any = jnp.float32
@@ -248,7 +249,7 @@ class Attention(nn.Module):
       return layers.constrain(y, ("batch", "length", "heads", "kv"))
 
     q = project(x, "query", self.num_heads, self.query_init or self.kernel_init, True)
-    scale = None if self.scale_logits else 1.0
+    scale = self.logit_scale if self.scale_logits else 1.0
     if cache is not None:
       if cache_index is not None:
         new = {name: project(context, proj, kv_heads, self.kernel_init, name == "k")

@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from lm_jax import flops
-from lm_jax.models import attention, blocks, costs, layers
+from lm_jax.models import attention, blocks, costs, layers, mup
 from lm_jax.models.registry import Family, Tokens
 
 FIELDS = {                 # model config fields of BERT's own, beyond defaults.model_defaults' shared ones
     "max_positions": 512,  # learned position embeddings
     "type_vocab_size": 2,  # token type (segment) embeddings
+    "mup_base_width": 0,   # µP's base d_model (lm_jax/models/mup.py); 0 = standard parametrization
 }
 HEADS = ("mlm", "nsp", "classifier")   # on top of BertModel (embeddings + layers + pooler)
 
@@ -42,7 +43,7 @@ class MLMHead(nn.Module):
     x = layers.constrain(x, ("batch", "length", "embed"))
     bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,),
                       kw["param_dtype"])
-    logits = embed.attend(x) + bias.astype(kw["dtype"])
+    logits = embed.attend(mup.readout(cfg, x)) + bias.astype(kw["dtype"])
     return layers.constrain(logits, ("batch", "length", "vocab"))
 
 
@@ -78,9 +79,10 @@ class Model(nn.Module):
     pooled = jnp.tanh(layers.Dense((cfg.d_model,), ("embed", "mlp"), kernel_init=init, name="pooler", **kw)(x[:, 0]))
     if cfg.get("num_labels", 0):
       h = layers.Dropout(cfg.dropout_rate, deterministic=not train)(pooled)
-      logits = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier", **kw)(h)
+      logits = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
+                            **kw)(mup.readout(cfg, h))
       return {"logits": logits.astype(jnp.float32), "hidden": x, "pooled": pooled}
-    nsp_logits = layers.Dense((2,), ("embed", None), kernel_init=init, name="nsp", **kw)(pooled)
+    nsp_logits = layers.Dense((2,), ("embed", None), kernel_init=init, name="nsp", **kw)(mup.readout(cfg, pooled))
     h = x
     if "mlm_positions" in batch:
       h = jnp.take_along_axis(x, batch["mlm_positions"][..., None], axis=1)
@@ -93,6 +95,7 @@ def check_config(cfg) -> None:
   n = cfg.get("num_labels", 0)
   if not isinstance(n, int) or n < 0:
     raise ValueError(f"model.num_labels must be a non-negative integer (0 = the pre-training heads), got {n!r}")
+  mup.check(cfg)
 
 
 def example_batch(cfg) -> dict:

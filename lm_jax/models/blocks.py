@@ -9,7 +9,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 
-from lm_jax.models import attention, layers
+from lm_jax.models import attention, layers, mup
 
 
 class PostLNBlock(nn.Module):
@@ -24,8 +24,9 @@ class PostLNBlock(nn.Module):
     kw = dict(dtype=layers.dtype(cfg.dtype), param_dtype=layers.dtype(cfg.param_dtype))
     drop = layers.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
     a, cache = attention.Attention(cfg.num_heads, layers.head_dim(cfg), dropout_rate=cfg.attention_dropout_rate,
-                                   deterministic=self.deterministic, kernel_init=self.kernel_init, name="attention",
-                                   **kw)(x, mask=mask, cache=cache, cache_index=cache_index)
+                                   deterministic=self.deterministic, kernel_init=self.kernel_init,
+                                   logit_scale=mup.attention_scale(cfg), name="attention", **kw)(
+                                       x, mask=mask, cache=cache, cache_index=cache_index)
     x = layers.LayerNorm(cfg.layer_norm_eps, name="attention_ln", **kw)(x + drop(a))
     h = layers.MLP(cfg.d_ff, cfg.activation, kernel_init=self.kernel_init, name="mlp", **kw)(x)
     x = layers.LayerNorm(cfg.layer_norm_eps, name="mlp_ln", **kw)(x + drop(h))
@@ -58,8 +59,8 @@ class PreLNBlock(nn.Module):
                                    rope_theta=cfg.get("rope_theta", 0.0), window=cfg.get("sliding_window", 0) or None,
                                    use_bias=bias, dropout_rate=cfg.attention_dropout_rate,
                                    deterministic=self.deterministic, kernel_init=self.kernel_init,
-                                   out_init=self.out_init, name="attention", **kw)(
-                                       h, mask=mask, cache=cache, cache_index=cache_index, positions=positions)
+                                   out_init=self.out_init, logit_scale=mup.attention_scale(cfg), name="attention",
+                                   **kw)(h, mask=mask, cache=cache, cache_index=cache_index, positions=positions)
     x = x + drop(a)
     h = layers.norm(cfg, name="mlp_ln", **kw)(x)
     x = x + drop(layers.MLP(cfg.d_ff, cfg.activation, gated=cfg.get("gated_ffn", False), use_bias=bias,

@@ -14,10 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from lm_jax import flops
-from lm_jax.models import attention, blocks, costs, layers, relayout
+from lm_jax.models import attention, blocks, costs, layers, mup, relayout
 from lm_jax.models.registry import Family, Tokens
 
-FIELDS = {"max_positions": 512}   # learned position embeddings; beyond defaults.model_defaults' shared fields
+FIELDS = {                 # beyond defaults.model_defaults' shared fields
+    "max_positions": 512,  # learned position embeddings
+    "mup_base_width": 0,   # µP's base d_model (lm_jax/models/mup.py); 0 = standard parametrization
+}
 
 HEADS = ("classifier",)
 
@@ -61,12 +64,12 @@ def embed_inputs(cfg, ids, positions, train: bool):
 def outputs(cfg, x, embed) -> dict:
   """The calling Model's outputs from the last hidden state: logits of the tied LM head, hidden, and with
   num_labels > 0 the 'classifier' head's scores."""
-  logits = layers.constrain(embed.attend(x), ("batch", "length", "vocab")).astype(jnp.float32)
+  logits = layers.constrain(embed.attend(mup.readout(cfg, x)), ("batch", "length", "vocab")).astype(jnp.float32)
   out = {"logits": logits, "hidden": x}
   if cfg.get("num_labels", 0):
     init = nn.initializers.normal(cfg.initializer_range)
     out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
-                                 **layers.dtypes(cfg))(x).astype(jnp.float32)
+                                 **layers.dtypes(cfg))(mup.readout(cfg, x)).astype(jnp.float32)
   return out
 
 
@@ -93,6 +96,7 @@ def check_config(cfg) -> None:
   n = cfg.get("num_labels", 0)
   if not isinstance(n, int) or n < 0:
     raise ValueError(f"model.num_labels must be a non-negative integer (0 = no task head), got {n!r}")
+  mup.check(cfg)
 
 
 def example_batch(cfg) -> dict:

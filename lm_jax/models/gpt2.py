@@ -18,6 +18,7 @@ from lm_jax.models.registry import Family
 FIELDS = {                 # model config fields of GPT-2's own, beyond defaults.model_defaults' shared ones
     "max_positions": 512,  # learned position embeddings
     "use_bias": True,      # biases in the Dense and LayerNorm layers (nanoGPT's bias=False)
+    "mup_base_width": 0,   # µP's base d_model (lm_jax/models/mup.py); 0 = standard parametrization
 }
 HEADS = gpt.HEADS
 

@@ -15,7 +15,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from lm_jax.models import blocks, costs, gpt, layers
+from lm_jax.models import blocks, costs, gpt, layers, mup
 from lm_jax.models.registry import Family
 
 HEADS = gpt.HEADS
@@ -28,6 +28,7 @@ FIELDS = {                  # its own model config fields beyond the shared ones
     "norm": "rmsnorm",      # or "layernorm"
     "use_bias": False,
     "tie_embeddings": False,  # the LM head is the token embedding table
+    "mup_base_width": 0,    # µP's base d_model (lm_jax/models/mup.py); 0 = standard parametrization
 }
 
 
@@ -49,14 +50,14 @@ class Model(nn.Module):
                                                                                       positions)
     x = layers.norm(cfg, name="final_ln", **kw)(x)
     if cfg.tie_embeddings:
-      logits = embed.attend(x)
+      logits = embed.attend(mup.readout(cfg, x))
     else:
       logits = layers.Dense((cfg.vocab_size,), ("embed", "vocab"), use_bias=False, kernel_init=init, name="lm_head",
-                            **kw)(x)
+                            **kw)(mup.readout(cfg, x))
     out = {"logits": layers.constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32), "hidden": x}
     if cfg.get("num_labels", 0):
       out["scores"] = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier",
-                                   **kw)(x).astype(jnp.float32)
+                                   **kw)(mup.readout(cfg, x)).astype(jnp.float32)
     if cache is not None:
       out["cache"] = {"layers": layer_cache, "mask": key_mask, "index": index + batch["input_ids"].shape[1]}
     return out

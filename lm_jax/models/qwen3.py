@@ -11,5 +11,6 @@ FIELDS = {                   # llama's fields with Qwen3's defaults (HF Qwen3Con
     "norm": "rmsnorm",
     "use_bias": False,
     "tie_embeddings": False,
+    "mup_base_width": 0,    # µP's base d_model (lm_jax/models/mup.py); 0 = standard parametrization
 }
 FAMILY = llama.family("qwen3", FIELDS)

@@ -1,10 +1,11 @@
-"""python -m lm_jax.scaling {fit, allocate, predict, sweep}: each prints one JSON object on stdout.
+"""python -m lm_jax.scaling {fit, allocate, predict, sweep, coord_check}: each prints one JSON object on stdout.
 
   fit      --runs runs.csv [--plot fit.png] [--bootstrap 200]   Hoffmann Approach 3 (+ Approach 2 when >= 2
                                                                 IsoFLOP budgets have >= 3 sizes)
   allocate --flops C [--law chinchilla|epoch|kaplan]            compute-optimal N, D and predicted loss
   predict  --params N --tokens D [--law ...]                    predicted loss
   sweep    --workdir DIR [--budgets ...] [--sizes ...]          train tiny decoders, write runs.csv, fit, plot
+  coord_check --config FILE[:VARIANT] --widths 64,128,256,512 --out DIR   µP's coordinate check (docs/mup.md)
 """
 import argparse
 import json
@@ -32,6 +33,23 @@ def fit_runs(runs, *, plot=None, bootstrap=0, seed=0, level=0.95):
     plotting.plot_fit(runs, law, approach2, plot)
     out["plot"] = plot
   return out
+
+
+def coord_check(args) -> dict:
+  """Runs the check and writes its files; a wrong flag or config value is one line and exit 2."""
+  from lm_jax import config_lib
+  from lm_jax.scaling import coord_check as check
+  try:
+    widths = [int(w) for w in args.widths.split(",")]
+    if args.steps < 1 or not args.lr > 0:
+      raise ValueError(f"--steps must be >= 1 and --lr > 0, got {args.steps} and {args.lr}")
+    config = config_lib.load(args.config)
+    results = check.run(config, widths, steps=args.steps, lr=args.lr, seed=args.seed)
+  except (ValueError, config_lib.ConfigError) as e:
+    print(f"lm_jax.scaling coord_check: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  return {"out": check.write(results, args.out),
+          **{name: {"logits": r["layers"]["logits"]} for name, r in results.items()}}
 
 
 def main(argv=None):
@@ -67,12 +85,21 @@ def main(argv=None):
   s.add_argument("--min_steps", type=int, default=300,
                  help="skip (budget, size) pairs with fewer steps (still on the unigram plateau)")
   s.add_argument("--bootstrap", type=int, default=0)
+  c = sub.add_parser("coord_check", help="mean |activation| per layer across widths under µP and SP")
+  c.add_argument("--config", required=True, help="configs/FILE.py[:VARIANT], e.g. configs/gpt2.py:tiny")
+  c.add_argument("--widths", default="64,128,256,512", help="d_model values, increasing; µP's base is the first")
+  c.add_argument("--out", required=True, help="folder for mup.json, sp.json and coord_check.png")
+  c.add_argument("--steps", type=int, default=3, help="Adam steps before recording")
+  c.add_argument("--lr", type=float, default=3e-3, help="Adam lr (SP's logits blow up above ~1e-2 at 512)")
+  c.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
 
   if args.command == "allocate":
     out = laws.allocate(args.flops, args.law)
   elif args.command == "predict":
     out = laws.predict(args.params, args.tokens, args.law)
+  elif args.command == "coord_check":
+    out = coord_check(args)
   elif args.command == "fit":
     from lm_jax.scaling import fit
     out = fit_runs(fit.read_runs(args.runs), plot=args.plot, bootstrap=args.bootstrap, seed=args.seed,
