@@ -238,7 +238,7 @@ def test_span_target_len_auto():
 
 
 @pytest.mark.parametrize("name,change,message", [
-    ("mlm", {"model.family": "gpt"}, "config.model.family='bert', got 'gpt'"),
+    ("mlm", {"model.family": "gpt"}, "config.model.family='bert' or config.model.family='modernbert', got 'gpt'"),
     ("mlm", {"data.max_predictions_per_seq": 0}, "config.data.max_predictions_per_seq"),
     ("mlm", {"data.max_predictions_per_seq": 33}, "config.data.max_predictions_per_seq"),
     ("mlm", {"data.mlm_probability": 1.5}, "config.data.mlm_probability"),

@@ -8,7 +8,8 @@ from conftest import load_config
 # ------------------------------------------------------------------------------------ config errors, early
 BAD = [  # (objective, overrides, devices, error type, message fragment)
     ("clm", {"objective": "lm"}, 1, ValueError, "config.objective='lm' is unknown"),
-    ("clm", {"objective": "mlm"}, 1, ValueError, "needs config.model.family='bert', got 'gpt'"),
+    ("clm", {"objective": "mlm"}, 1, ValueError,
+     "needs config.model.family='bert' or config.model.family='modernbert', got 'gpt'"),
     ("clm", {"data.seq_len": 512}, 1, ValueError, "config.data.seq_len=512 exceeds config.model.max_positions=128"),
     ("span_corruption", {"model.vocab_size": 100}, 1, ValueError, "no room for 100 sentinels"),
     ("span_corruption", {"model.vocab_size": 110}, 1, ValueError,
