@@ -92,6 +92,19 @@ def run_tokenizer(config, workdir):
   return tokenizer_lib.load_or_train(config, str(workdir), models.family(config.model))
 
 
+def hf_generate(hf, prompts, eos_id, max_new_tokens, **kw) -> list[list[int]]:
+  """transformers' continuations (greedy; beams with num_beams in kw), one prompt at a time, cut after the first
+  EOS: what decoding.generate is compared with for every decoder family."""
+  import torch
+  kw = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id, pad_token_id=0, **kw)
+  rows = []
+  with torch.no_grad():
+    for p in prompts:
+      rows.append(hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              **kw)[0, len(p):].tolist())
+  return [r[:r.index(eos_id) + 1] if eos_id in r else r for r in rows]
+
+
 def records(workdir, kind="train"):
   recs = metrics_log.read(os.path.join(workdir, "metrics.jsonl"))
   return [r for r in recs if ("loss" in r) == (kind == "train")]

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import hf_generate
 from lm_jax import config_lib, decoding, defaults, models, objectives, train
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.data import toy_tasks
@@ -121,27 +122,16 @@ def test_packed_rows_and_scores_match_rows_alone():
       np.testing.assert_allclose(packed[key][0, cols], alone[key][0], atol=1e-5)
 
 
-def hf_generate(hf, prompts, eos_id, **kw):
-  """transformers' continuations, one prompt at a time, cut after the first EOS."""
-  kw = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos_id, pad_token_id=0, **kw)
-  rows = []
-  with torch.no_grad():
-    for p in prompts:
-      rows.append(hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              **kw)[0, len(p):].tolist())
-  return [r[:r.index(eos_id) + 1] if eos_id in r else r for r in rows]
-
-
 def test_generate_matches_transformers(exported):
   """Greedy and 4-beam search token for token; EOS is a token greedy decoding emits early, so rows end apart."""
   m, p, hf = exported
   free = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW)
   eos = free[0][2]
   greedy = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, eos_id=eos)
-  assert greedy == hf_generate(hf, PROMPTS, eos)
+  assert greedy == hf_generate(hf, PROMPTS, eos, NEW)
   assert min(map(len, greedy)) < NEW == max(map(len, greedy))
   beam = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, method="beam", num_beams=4, eos_id=eos)
-  assert beam == hf_generate(hf, PROMPTS, eos, num_beams=4, length_penalty=1.0, early_stopping=True)
+  assert beam == hf_generate(hf, PROMPTS, eos, NEW, num_beams=4, length_penalty=1.0, early_stopping=True)
   assert beam != greedy
 
 

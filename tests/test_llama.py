@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, cli
+from conftest import REPO, cli, hf_generate
 from test_scaling import _matmul_flops
 from lm_jax import checkpoint_export, config_lib, decoding, flops, models, train
 from lm_jax import hf as hf_lib
@@ -67,26 +67,15 @@ def check_both_ways(hf, cls, path, out):
   return m, p
 
 
-def hf_generate(hf, prompts, eos_id, **kw):
-  """transformers' continuations, one prompt at a time, cut after the first EOS."""
-  kw = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos_id, pad_token_id=0, **kw)
-  rows = []
-  with torch.no_grad():
-    for p in prompts:
-      rows.append(hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              **kw)[0, len(p):].tolist())
-  return [r[:r.index(eos_id) + 1] if eos_id in r else r for r in rows]
-
-
 def check_generate(m, p, hf):
   """Greedy and 4-beam search on left-padded prompts of several lengths, token for token; EOS is a token greedy
   decoding emits early, so rows end apart."""
-  eos = hf_generate(hf, PROMPTS[:1], -1)[0][2]
+  eos = hf_generate(hf, PROMPTS[:1], -1, NEW)[0][2]
   greedy = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, eos_id=eos)
-  assert greedy == hf_generate(hf, PROMPTS, eos)
+  assert greedy == hf_generate(hf, PROMPTS, eos, NEW)
   assert min(map(len, greedy)) < NEW == max(map(len, greedy))
   beam = decoding.generate(m, p, PROMPTS, max_new_tokens=NEW, method="beam", num_beams=4, eos_id=eos)
-  assert beam == hf_generate(hf, PROMPTS, eos, num_beams=4, length_penalty=1.0, early_stopping=True)
+  assert beam == hf_generate(hf, PROMPTS, eos, NEW, num_beams=4, length_penalty=1.0, early_stopping=True)
 
 
 @pytest.fixture(scope="module")
