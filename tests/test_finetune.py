@@ -321,14 +321,19 @@ def test_finetune_from_a_workdir_then_eval_and_predict_it(frozen_run, sst2, tmp_
 
 # --------------------------------------------------------------------------------------- the real MiniLM on SST-2
 def test_minilm_sst2_fine_tunes_and_exports(sst2, tmp_path):
-  """configs/finetune/bert.py:minilm_sst2 as it is (60 steps of 32 at seq 48) reaches >= 0.80 on the whole dev set;
-  the exported BertForSequenceClassification gives the same logits in transformers."""
+  """configs/finetune/bert.py:minilm_sst2, shortened to 12 steps and 128 dev rows, its layers scanned (one layer to
+  compile, not six: compiling is most of this test's time); the whole recipe's >= 0.80 dev accuracy against
+  transformers' own loop is bench/finetune.py's claim. The real MiniLM's training loss falls, and the exported
+  BertForSequenceClassification gives the same logits in transformers."""
   start = time.perf_counter()
-  config = config_lib.load("configs/finetune/bert.py:minilm_sst2", {"task.files": sst2, "init_from": MINILM})
+  config = config_lib.load("configs/finetune/bert.py:minilm_sst2", {
+      "task.files": sst2, "init_from": MINILM, "total_steps": 12, "optimizer.warmup_steps": 2, "log_every": 1,
+      "eval_every": 12, "checkpoint_every": 12, "data.eval_split": "dev[:128]", "model.scan_layers": True})
   result = train.train(config, str(tmp_path / "run"))
-  seconds = time.perf_counter() - start
-  print(f"minilm_sst2: {config.total_steps} steps + dev eval in {seconds:.0f} s: {result['eval']}")
-  assert result["eval"]["eval_accuracy"] >= 0.80, result["eval"]
+  print(f"minilm_sst2: {config.total_steps} steps + eval in {time.perf_counter() - start:.0f} s: {result['eval']}")
+  losses = [r["loss"] for r in metrics_log.read(str(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+  assert len(losses) == 12 and np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.02, losses
+  assert result["eval"]["eval_accuracy"] > 0.55, result["eval"]
   export_dir = str(tmp_path / "export")
   s, params, _ = run_eval.restore_params(config, str(tmp_path / "run"))
   checkpoint_export.export_checkpoint(config, str(tmp_path / "run"), export_dir)
