@@ -57,8 +57,8 @@ def test_tasks_in_training_equal_harness_on_export(run, shared_data):
 def test_generate_until_equals_harness(run, shared_data):
   from lm_eval.api.instance import Instance
   config, workdir, result, _, hf = run
-  ours = lm_eval_adapter.JaxLM(config.model, jax.device_get(result["state"]["params"]),
-                               run_tokenizer(config, workdir), batch_size=4)
+  ours = lm_eval_adapter.jax_lm()(config.model, jax.device_get(result["state"]["params"]),
+                                  run_tokenizer(config, workdir), batch_size=4)
   lines = (shared_data / "tiny_shakespeare" / "input.txt").read_text()[:3000].splitlines()
   options = {"until": ["\n\n", "."], "max_gen_toks": 12}
   requests = [Instance("generate_until", {}, (text, dict(options)), 0)
