@@ -5,23 +5,25 @@ rate. Under µP the optimum should stay within one grid step (2x) from the narro
 moves toward smaller rates as the model widens.
 
   python bench/mup_transfer.py --root=DIR [--workers=2]    # the grid: 8 lrs x 4 widths x {µP, SP}, 300 steps
+  python bench/mup_transfer.py --root=DIR --variant=cpu     # the same lrs at widths 32, 256, batch 8 x 32
   python bench/mup_transfer.py --root=DIR --variant=quick   # 3 trials of 2 steps (CI)
 
 The file is also the sweep's config (`get_config`, `get_sweep`): more workers, on this machine or others sharing DIR,
 join with `python -m lm_jax.sweep run --config=bench/mup_transfer.py[:VARIANT] --root=DIR`, and a killed one's trial
 is resumed by the next (docs/sweeps.md). Each trial trains configs/gpt2.py:tiny (2 layers, 4 heads) at d_model =
 width, d_ff = 4 width, on Tiny Shakespeare's characters ($LM_JAX_DATA/tiny_shakespeare/input.txt; nanoGPT's 90/10
-split and random windows), batch 16 x 64, AdamW without weight decay or clipping (both would couple the widths),
-10% linear warmup then cosine; the score is the exact loss on the whole held-out 10% after the last step. µP at the
-base width is SP's model, so that trial runs once. Printed: the table of loss per lr and width, each width's
-optimum, and how far (in 2x grid steps) it moves from the narrowest width to the widest; DIR/mup_transfer.json holds
-the numbers and DIR/mup_transfer.png the paper's plot (loss against lr, a line per width, µP beside SP).
+split and random windows), batch 16 x 64 (`cpu`: 8 x 32), AdamW without weight decay or clipping (both would couple
+the widths), 10% linear warmup then cosine; the score is the loss on the whole held-out 10% (`cpu`: its first 32
+batches) after the last step. µP at the base width is SP's model, so that trial runs once. Printed: the table of
+loss per lr and width, each width's optimum, and how far (in 2x grid steps) it moves from the narrowest width to
+the widest; DIR/mup_transfer.json holds the numbers and DIR/mup_transfer.png the paper's plot (loss against lr, a
+line per width, µP beside SP). `python -m lm_jax.sweep collect --root=DIR` writes results.csv.
 """
 import os
 
 VARIANTS = {   # eval_batches 0: the whole held-out split
     "full": dict(lrs=range(-12, -4), widths=(64, 128, 256, 512), steps=300, batch=16, seq_len=64, eval_batches=0),
-    "cpu": dict(lrs=range(-10, -4), widths=(32, 256), steps=300, batch=8, seq_len=32, eval_batches=32),
+    "cpu": dict(lrs=range(-12, -4), widths=(32, 256), steps=300, batch=8, seq_len=32, eval_batches=32),
     "quick": dict(lrs=(-7,), widths=(16, 32), steps=2, batch=4, seq_len=16, eval_batches=2)}
 NAMES = {"mup": "µP", "sp": "SP"}
 
@@ -105,7 +107,7 @@ def main(argv=None):
 
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--root", required=True, help="the sweep's folder (local or gs://); a rerun resumes it")
-  p.add_argument("--variant", default="full", choices=list(VARIANTS), help="full: the issue's grid; cpu: 6 lrs x "
+  p.add_argument("--variant", default="full", choices=list(VARIANTS), help="full: the issue's grid; cpu: 8 lrs x "
                  "widths 32, 256 at batch 8 x 32 (what a loaded 2-core machine ran); quick: 3 trials of 2 steps (CI)")
   p.add_argument("--workers", type=int, default=1, help="sweep workers started here")
   args = p.parse_args(argv)
