@@ -55,7 +55,6 @@ def get_config(arg="full"):
 
 def get_sweep(arg="full"):
   """lr x width x {µP, SP}; µP's trial at the base width is SP's (mup_base_width 0: the same model, named once)."""
-  from lm_jax.sweep import hyper
   v = _variant(arg)
   base = v["widths"][0]
   return [{"optimizer.lr": 2.0 ** e, "model.d_model": w, "model.d_ff": 4 * w, "model.mup_base_width": b}
@@ -100,7 +99,6 @@ def plot(losses: dict) -> bytes:
 
 def main(argv=None):
   import argparse
-  import json
   import pathlib
   import subprocess
   import sys
