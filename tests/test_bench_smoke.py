@@ -1,6 +1,7 @@
 """Each benchmark's tiny form runs to its ratio line, so none rots between the runs that measure (bench/README.md).
 data_throughput, nanogpt and checkpoint_stall have their own tests; rlhf_sst2 judges finished runs (test_ppo checks
 its statistics)."""
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,20 @@ def test_finetune_against_transformers(shared_data, tmp_path):
   out = bench(REPO / "bench" / "finetune.py", "--steps", "3", "--log_every", "1", "--set",
               f"task.files={tmp_path}/{{split}}.tsv")
   assert "full: tokens/s ours / peer" in out, out
+
+
+def test_mup_transfer_as_a_sweep(shared_data, tmp_path):
+  """bench/mup_transfer.py's quick grid through lm_jax.sweep: 3 trials (µP at the base width is SP's), the summary,
+  and a rerun that starts nothing (the measured grid: bench/README.md)."""
+  env = {**os.environ, "LM_JAX_DATA": str(shared_data)}
+  root = tmp_path / "sweep"
+  args = [sys.executable, REPO / "bench" / "mup_transfer.py", f"--root={root}", "--variant=quick"]
+  out = subprocess.run(args, cwd="/", capture_output=True, text=True, timeout=600, env=env)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "µP: the optimum moves 0 grid step(s)" in out.stdout and "SP: the optimum moves 0" in out.stdout, out.stdout
+  assert len(list(root.glob("*/sweep_done.json"))) == 3
+  losses = json.loads((root / "mup_transfer.json").read_text())["losses"]
+  assert losses["mup"]["16"] == losses["sp"]["16"] and losses["mup"]["32"] != losses["sp"]["32"], losses
+  assert all(3.5 < by_lr["-7"] < 4.5 for per_width in losses.values() for by_lr in per_width.values()), losses
+  again = subprocess.run(args, cwd="/", capture_output=True, text=True, timeout=600, env=env)
+  assert again.returncode == 0 and "nothing to start" in again.stdout, again.stdout + again.stderr[-2000:]

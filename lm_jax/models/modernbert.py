@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from lm_jax import flops
-from lm_jax.models import attention, costs, layers
+from lm_jax.models import attention, costs, layers, mup
 from lm_jax.models.registry import Family, Tokens
 
 FIELDS = {                        # its own model config fields beyond the shared ones, with HF ModernBertConfig's
@@ -31,6 +31,7 @@ FIELDS = {                        # its own model config fields beyond the share
     "global_every": 3,            # layer i attends globally when i % global_every == 0
     "sliding_window": 64,         # a local layer's query sees keys this many positions either side
     "classifier_pooling": "cls",  # num_labels > 0: "cls" or "mean" over the real tokens
+    "mup_base_width": 0,          # µP's base d_model (lm_jax/models/mup.py); 0 = standard parametrization
 }
 HEADS = ("head", "decoder", "classifier")   # on top of ModernBertModel (embeddings + layers + final norm)
 POOLING = ("cls", "mean")
@@ -57,7 +58,8 @@ class Block(nn.Module):
     a, _ = attention.Attention(cfg.num_heads, layers.head_dim(cfg), use_bias=False, rope_theta=self.rope_theta,
                                window=self.window, dropout_rate=cfg.attention_dropout_rate,
                                deterministic=self.deterministic, kernel_init=self.kernel_init,
-                               out_init=self.out_init, name="attention", **kw)(h, mask=mask, positions=positions)
+                               out_init=self.out_init, logit_scale=mup.attention_scale(cfg), name="attention",
+                               **kw)(h, mask=mask, positions=positions)
     x = x + layers.Dropout(cfg.attention_dropout_rate, deterministic=self.deterministic)(a)
     x = x + layers.MLP(cfg.d_ff, cfg.activation, gated=cfg.gated_ffn, use_bias=False, dropout_rate=cfg.dropout_rate,
                        deterministic=self.deterministic, kernel_init=self.kernel_init, out_init=self.out_init,
@@ -125,7 +127,8 @@ class Model(nn.Module):
         m = attention_mask[..., None].astype(x.dtype)
         pooled = (x * m).sum(1) / jnp.maximum(m.sum(1), 1)
       h = layers.Dropout(cfg.dropout_rate, deterministic=not train)(Head(cfg, out_init, name="head")(pooled))
-      logits = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier", **kw)(h)
+      logits = layers.Dense((cfg.num_labels,), ("embed", None), kernel_init=init, name="classifier", **kw)(
+          mup.readout(cfg, h))
       return {"logits": logits.astype(jnp.float32), "hidden": x, "pooled": pooled}
     h = x
     if "mlm_positions" in batch:
@@ -134,11 +137,12 @@ class Model(nn.Module):
                       kw["param_dtype"])
     # the activations' usual sharding before the tied decoder: see bert.MLMHead
     h = layers.constrain(Head(cfg, out_init, name="head")(h), ("batch", "length", "embed"))
-    logits = embed.attend(h) + bias.astype(kw["dtype"])
+    logits = embed.attend(mup.readout(cfg, h)) + bias.astype(kw["dtype"])
     return {"logits": layers.constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32), "hidden": x}
 
 
 def check_config(cfg) -> None:
+  mup.check(cfg)
   n = cfg.get("num_labels", 0)
   if not isinstance(n, int) or n < 0:
     raise ValueError(f"model.num_labels must be a non-negative integer (0 = the MLM head), got {n!r}")
