@@ -219,4 +219,4 @@ def test_ray_worker_killed_with_sigkill_restarts_the_group_and_resumes(shared_da
   run = subprocess.run([sys.executable, str(REPO / "bench" / "ray_recovery.py"), "--quick"], cwd=REPO,
                        capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-  assert run.stdout.count("ok  ") == 3 and "FAIL" not in run.stdout, run.stdout
+  assert run.stdout.count("ok  ") == 4 and "FAIL" not in run.stdout, run.stdout
