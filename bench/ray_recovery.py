@@ -120,6 +120,8 @@ def main():
              RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0", JAX_PLATFORMS="cpu",
              LM_JAX_DEVICES_PER_PROCESS="2" if args.quick else "4", PYTHONPATH=str(REPO))
   env.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / "jax_cache"))
+  if args.quick:   # one thread per op: a 1-layer model gains nothing from more, and 2 trainers share the cores
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip()
   start = time.time()
   head = subprocess.Popen([shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray", "start", "--head",
                            "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
