@@ -6,7 +6,7 @@
 The file is read as `sky launch FILE --env K=V` reads it, by SkyPilot's own parser (a wrong
 field, or an env left unset, fails here with SkyPilot's message); the output is a bash script that exports the
 task's envs and the SKYPILOT_* variables SkyPilot gives node --node_rank (IPs 10.0.0.1, 10.0.0.2, ...), then runs
-the task's `run`. Needs `pip install -r requirements-launch.txt`.
+the task's `run`. Runs under SkyPilot's venv (README.md): .venv-sky/bin/python launch/sky_task.py ...
 """
 import argparse
 import shlex
@@ -34,7 +34,8 @@ def main(argv):
   try:
     import sky  # noqa: F401
   except ImportError:
-    sys.exit("error: launch/sky_task.py needs SkyPilot: pip install -r requirements-launch.txt (or skypilot)")
+    sys.exit("error: launch/sky_task.py needs SkyPilot: run it with .venv-sky/bin/python (python -m venv .venv-sky && "
+             ".venv-sky/bin/pip install -r requirements-sky.txt)")
   try:
     print(script(args.yaml, [tuple(e.split("=", 1)) for e in args.env], args.node_rank, args.num_nodes))
   except (ValueError, OSError) as e:   # SkyPilot's schema and env errors (exit 2), a missing file (1)

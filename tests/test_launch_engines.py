@@ -1,7 +1,7 @@
-"""Launching through the engines, without the clusters: SkyPilot task files read by SkyPilot's own parser and their
-run lines executed as a node runs them, the TPU slice -> workers / accelerator mapping against Ray's and
-lm_jax.plan.topology's, the GKE JobSet manifest against its golden, and a missing engine in one line. Ray Train on
-CPUs with a worker killed mid-run is bench/ray_recovery.py; its tiny form runs here."""
+"""Launching through the engines, without the clusters: SkyPilot task files read by SkyPilot's own parser (in its
+venv, LM_JAX_SKY_PYTHON) and their run lines executed as a node runs them, the TPU slice -> workers / accelerator
+mapping against Ray's and lm_jax.plan.topology's, the GKE JobSet manifest against its golden, and a missing engine
+in one line. Ray Train on CPUs with a worker killed mid-run is bench/ray_recovery.py; its tiny form runs here."""
 import json
 import os
 import pathlib
@@ -46,23 +46,64 @@ def _node(script: str, home: pathlib.Path, **popen):
                           **popen)
 
 
-def test_every_sky_file_is_documented_and_refused_without_its_envs():
-  sky = pytest.importorskip("sky", reason="SkyPilot: pip install -r requirements-launch.txt")
-  assert {p.name for p in SKY_FILES} == {"tpu_pod.yaml", "gpu_nodes.yaml", "spot_job.yaml", "sweep_worker.yaml"}
-  for path in SKY_FILES:
-    assert _documented_envs(path.name), path.name
-    with pytest.raises(ValueError, match="Environment variable 'CONFIG' is None"):
-      sky.Task.from_yaml(str(path))   # SkyPilot's own reader; CONFIG and WORKDIR (ROOT) have no default
+SKY_PYTHON = os.environ.get("LM_JAX_SKY_PYTHON", "")
+needs_sky = pytest.mark.skipif(not SKY_PYTHON, reason="LM_JAX_SKY_PYTHON (the .venv-sky interpreter, README.md's "
+                               "Install: requirements-sky.txt) is not set")
+# Under SkyPilot's venv: each file read bare by sky.Task.from_yaml (its error, or "loaded"), then read as `sky launch
+# --env` reads it and turned into the script one node runs (launch/sky_task.py).
+SKY_READER = """import json, sys
+sys.path.insert(0, sys.argv[1])
+import sky
+from launch import sky_task
+out = {}
+for path, envs, rank, nodes in json.loads(sys.argv[2]):
+  try:
+    sky.Task.from_yaml(path)
+    bare = "loaded"
+  except ValueError as e:
+    bare = str(e)
+  out[path] = [bare, sky_task.script(path, envs, rank, nodes)]
+print(json.dumps(out))
+"""
 
 
-@pytest.mark.parametrize("path", SKY_FILES, ids=lambda p: p.name)
-def test_sky_run_line_starts_lm_jax_with_the_documented_flags(tmp_path, path):
-  pytest.importorskip("sky", reason="SkyPilot: pip install -r requirements-launch.txt")
-  from launch import sky_task
-  envs = dict(_documented_envs(path.name))
+def _node_args(path: pathlib.Path) -> tuple:
+  """(envs, node rank, nodes) as docs/clusters.md launches the file: node 1 of 2 for the GPU nodes."""
   nodes = 2 if path.name == "gpu_nodes.yaml" else 0
-  script = sky_task.script(str(path), list(envs.items()), node_rank=1 if nodes else 0, num_nodes=nodes)
-  assert _node(script, tmp_path).wait(timeout=30) == 0
+  return _documented_envs(path.name), 1 if nodes else 0, nodes
+
+
+@pytest.fixture(scope="module")
+def sky_read():
+  """{file name: (bare from_yaml's error, node script)} for every launch/sky file, from one SkyPilot process."""
+  jobs = [(str(p), *_node_args(p)) for p in SKY_FILES]
+  run = subprocess.run([SKY_PYTHON, "-c", SKY_READER, str(REPO), json.dumps(jobs)], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  return {pathlib.Path(k).name: v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
+
+
+@needs_sky
+def test_every_sky_file_is_documented_and_refused_without_its_envs(sky_read):
+  assert set(sky_read) == {"tpu_pod.yaml", "gpu_nodes.yaml", "spot_job.yaml", "sweep_worker.yaml"}
+  for name, (bare, _) in sky_read.items():
+    assert _documented_envs(name), name
+    assert "Environment variable 'CONFIG' is None" in bare, (name, bare)   # CONFIG, WORKDIR (ROOT): no default
+
+
+@needs_sky
+def test_sky_task_refuses_a_missing_env_in_one_line():
+  run = subprocess.run([SKY_PYTHON, "launch/sky_task.py", "launch/sky/gpu_nodes.yaml", "--env", "CONFIG=c.py"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+  assert run.stderr.startswith("error: launch/sky/gpu_nodes.yaml: Environment variable 'WORKDIR' is None"), run.stderr
+
+
+@needs_sky
+@pytest.mark.parametrize("path", SKY_FILES, ids=lambda p: p.name)
+def test_sky_run_line_starts_lm_jax_with_the_documented_flags(tmp_path, path, sky_read):
+  envs = dict(_documented_envs(path.name))
+  assert _node(sky_read[path.name][1], tmp_path).wait(timeout=30) == 0
   argv = (tmp_path / "argv").read_text().splitlines()
   if path.name == "sweep_worker.yaml":
     assert argv == ["-m", "lm_jax.sweep", "run", f"--config={envs['CONFIG']}", f"--root={envs['ROOT']}",
@@ -85,12 +126,10 @@ def test_sky_run_line_starts_lm_jax_with_the_documented_flags(tmp_path, path):
     assert env == {}
 
 
-def test_sky_spot_job_exits_143_after_the_trainer_saves_on_sigterm(tmp_path):
+@needs_sky
+def test_sky_spot_job_exits_143_after_the_trainer_saves_on_sigterm(tmp_path, sky_read):
   """A preemption notice: the trainer checkpoints and exits 0; the job must not count as finished."""
-  pytest.importorskip("sky", reason="SkyPilot: pip install -r requirements-launch.txt")
-  from launch import sky_task
-  script = sky_task.script(str(LAUNCH / "sky" / "spot_job.yaml"), _documented_envs("spot_job.yaml"))
-  node = _node(script, tmp_path, env={"STEPS": "400"})
+  node = _node(sky_read["spot_job.yaml"][1], tmp_path, env={"STEPS": "400"})
   deadline = time.time() + 20
   while not (tmp_path / "argv").exists() and time.time() < deadline:
     time.sleep(0.05)
@@ -145,15 +184,16 @@ def test_ray_train_refuses_a_wrong_slice_before_starting_ray(capsys):
     assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("script,module", [("ray_train.py", "ray"), ("sky_task.py", "sky")])
-def test_a_missing_engine_is_one_line(script, module):
+@pytest.mark.parametrize("script,module,install", [("ray_train.py", "ray", "pip install -r requirements-launch.txt"),
+                                                   ("sky_task.py", "sky", ".venv-sky/bin/python")])
+def test_a_missing_engine_is_one_line(script, module, install):
   code = (f"import runpy, sys; sys.modules[{module!r}] = None; sys.argv = ['{script}', 'launch/sky/tpu_pod.yaml']; "
           f"runpy.run_path({str(LAUNCH / script)!r}, run_name='__main__')")
   if script == "ray_train.py":
     code = code.replace("'launch/sky/tpu_pod.yaml'", "'--num_workers=2', '--', '--config=c.py'")
   run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
   assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
-  assert "pip install -r requirements-launch.txt" in run.stderr
+  assert install in run.stderr
 
 
 # --- GKE JobSet -------------------------------------------------------------------------------------------------------
@@ -179,4 +219,4 @@ def test_ray_worker_killed_with_sigkill_restarts_the_group_and_resumes(shared_da
   run = subprocess.run([sys.executable, str(REPO / "bench" / "ray_recovery.py"), "--quick"], cwd=REPO,
                        capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-  assert run.stdout.count("ok  ") == 3 and "FAIL" not in run.stdout, run.stdout
+  assert run.stdout.count("ok  ") == 4 and "FAIL" not in run.stdout, run.stdout
