@@ -134,8 +134,8 @@ def grouped(cfg, params: dict) -> dict:
   g, names = cfg.global_every, group_names(cfg)
   stack = lambda j: jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]),
                                  *[params[f"layers_{i}"] for i in inside[j::g]])
-  return ({k: v for k, v in params.items() if not k.startswith("layers_") or int(k[7:]) not in inside}
-          | {"layers": {name: stack(j) for j, name in enumerate(names)}})
+  outside = {k: v for k, v in params.items() if not (m := layers.LOOPED.fullmatch(k)) or int(m[1]) not in inside}
+  return outside | {"layers": {name: stack(j) for j, name in enumerate(names)}}
 
 
 def ungrouped(cfg, params: dict) -> dict:
