@@ -57,6 +57,7 @@ def get_config(arg="base"):
   seq_len = 8192 if phase else 1024
   if size in SIZES:
     m.num_layers, m.d_model, m.num_heads, m.d_ff, c.optimizer.lr, warmup = SIZES[size]
+    m.scan_layers = True           # layer 0, then groups of (local, local, global): lm_jax/models/modernbert.py
     c.optimizer.warmup_steps = round(warmup / (BATCH * 1024))
     c.phase_end_step = int(round(PHASE1_TOKENS / (BATCH * 1024), -3))
     c.total_steps = c.phase_end_step + int(round(PHASE2_TOKENS / (BATCH * 8192), -3))

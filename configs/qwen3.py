@@ -23,6 +23,7 @@ def get_config(arg="0_6b"):
   m.rope_theta, m.layer_norm_eps = 1_000_000.0, 1e-6
   m.activation, m.gated_ffn = "silu", True   # SwiGLU
   m.dropout_rate = m.attention_dropout_rate = 0.0
+  m.scan_layers = arg != "tiny"          # compile time independent of depth (--mode=compile --plan tries both)
 
   c.data.tfds_name = ""
   c.data.seq_len = 4096
