@@ -10,6 +10,9 @@ Variants (shapes from the released config.json of each model on the Hugging Face
 The optimizer is Llama's (paper §2.2: AdamW b1 0.9, b2 0.95, weight decay 0.1, clip 1.0, 2000 warmup steps,
 cosine to 10% of the peak); SmolLM's own learning rate, batch and steps are not in its config: set them for your
 data (lr 3e-4 here is Llama-7B's).
+--mode=compile for v5e-8: the train step fits (scanned, remat full, 16 microbatches, fsdp 8: 4.0 GiB per device);
+the eval step runs batch_size rows at once, and 64 rows of 2048 float32 logits over 49,152 tokens per device are
+24 GiB alone: compile it with --config.eval_every=0 (or evaluate in a run on more devices).
 """
 from lm_jax import defaults
 
@@ -29,6 +32,7 @@ def get_config(arg="smollm_135m"):
   m.rope_theta, m.layer_norm_eps = 10000.0, 1e-5
   m.activation, m.gated_ffn = "silu", True   # SwiGLU
   m.dropout_rate = m.attention_dropout_rate = 0.0
+  m.scan_layers = arg != "tiny"          # compile time independent of depth (--mode=compile --plan tries both)
 
   c.data.tfds_name = ""
   c.data.seq_len = 2048

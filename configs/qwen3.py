@@ -7,6 +7,8 @@ Variants:
         596,049,920 parameters (0.44B without the embeddings, as its model card says).
   tiny  2 layers of 128, 4 heads of 48, 2 kv heads, on Tiny Shakespeare (CPU).
 Qwen3's optimizer settings are not published: Llama's are used (configs/llama.py).
+--mode=compile of 0_6b for v5e-8 (scanned, remat full, 32 microbatches, fsdp 8, eval_every=0: the eval step runs
+batch_size rows at once): 6.44 GiB per device, 6.705e15 FLOPs per step, 10.6 s at MFU 40%.
 """
 from lm_jax import defaults
 
@@ -23,6 +25,7 @@ def get_config(arg="0_6b"):
   m.rope_theta, m.layer_norm_eps = 1_000_000.0, 1e-6
   m.activation, m.gated_ffn = "silu", True   # SwiGLU
   m.dropout_rate = m.attention_dropout_rate = 0.0
+  m.scan_layers = arg != "tiny"          # compile time independent of depth (--mode=compile --plan tries both)
 
   c.data.tfds_name = ""
   c.data.seq_len = 4096

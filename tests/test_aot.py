@@ -19,6 +19,12 @@ pytestmark = pytest.mark.skipif(not AOT_PYTHON, reason="LM_JAX_AOT_PYTHON (a ven
 TINY = ["--config.model.num_layers=1", "--config.data.seq_len=32", "--config.data.max_predictions_per_seq=5",
         "--config.batch_size=16"]
 CONFIGS = {"bert": "configs/bert.py:tiny", "gpt1": "configs/gpt1.py:tiny", "t5": "configs/t5.py:tiny"}
+# The newer families once each for v4-8, where XLA's FLOP count is checked against the family's own
+# (lm_jax/flops.py), ModernBERT with a global and a local layer; and ModernBERT's scanned groups for v5e-16 (layer 0,
+# then one group of local, local, global).
+NEWER = [("configs/llama.py:tiny", "v4-8", []), ("configs/qwen3.py:tiny", "v4-8", []),
+         ("configs/modernbert.py:tiny", "v4-8", ["model.num_layers=2"]),
+         ("configs/modernbert.py:tiny", "v5e-16", ["model.num_layers=4", "model.scan_layers=True"])]
 # 16384 rows of 128 tokens per device: their logits alone outgrow a v5e's 16 GiB.
 OVERSIZED = ["--config=configs/gpt1.py:tiny", "--config.model.num_layers=1", "--config.batch_size=262144",
              "--config.eval_every=0"]
@@ -61,6 +67,7 @@ def test_tiny_families_compile_for_tpu_and_gpu_and_match_the_memory_model():
   jobs = [(spec, name, tiny) for spec in CONFIGS.values() for name in ("v4-8", "v5e-16")]
   jobs[0] = (jobs[0][0], jobs[0][1], tiny[:-1])
   jobs.append((CONFIGS["gpt1"], "h100-8", tiny))
+  jobs += [(spec, name, tiny + extra) for spec, name, extra in NEWER]
   splash = ["model.num_layers=1", "data.seq_len=128", "batch_size=16", "model.attention=splash", "eval_every=0"]
   jobs += [(CONFIGS["gpt1"], "v5e-16", splash), (CONFIGS["bert"], "v4-8", [*splash, "mesh.tensor=2"])]
   result = aot("-c", DRIVER, json.dumps(jobs))

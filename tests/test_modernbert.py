@@ -30,7 +30,7 @@ _apply = jax.jit(models.apply, static_argnums=0)
 def hf_model(cls, **fields):
   """A random HF ModernBERT with every tensor perturbed (unit norms would hide a mix-up), eager attention."""
   torch.manual_seed(0)
-  config = transformers.ModernBertConfig(**HF_SHAPE, **fields)
+  config = transformers.ModernBertConfig(**{**HF_SHAPE, **fields})
   config._attn_implementation = "eager"
   model = cls(config).eval()
   with torch.no_grad():
@@ -69,6 +69,28 @@ def test_logits_equal_transformers_both_ways(head, pooling, tmp_path):
   theirs = {k: v for k, v in hf.state_dict().items()}
   for name, tensor in back.state_dict().items():
     np.testing.assert_allclose(tensor.numpy(), theirs[name].numpy(), atol=1e-6, err_msg=name)
+
+
+def test_scanned_groups_equal_looped_layers_and_transformers(tmp_path):
+  """scan_layers scans groups of (local, local, global) after layer 0: 6 layers are layers_0, one group (1-3) and
+  the local layers 4 and 5 looped. Its logits equal the looped model's and transformers', both ways."""
+  hf = hf_model(transformers.ModernBertForMaskedLM, num_hidden_layers=6)
+  hf.save_pretrained(tmp_path / "hf")
+  cfg, params = export.load_hf(str(tmp_path / "hf"), scan_layers=True, remat_policy="full")
+  assert sorted(k for k in params if k.startswith("layers")) == ["layers", "layers_0", "layers_4", "layers_5"]
+  assert sorted(params["layers"]) == ["global", "local_0", "local_1"]
+  assert params["layers"]["global"]["mlp_ln"]["scale"].shape == (1, 48)
+  assert_matches(hf, cfg, params)
+  looped_cfg, looped = export.load_hf(str(tmp_path / "hf"))
+  batch = {"input_ids": jnp.asarray(IDS), "attention_mask": jnp.asarray(MASK)}
+  logits = lambda c, p: np.asarray(_apply(ml_collections.FrozenConfigDict(c), p, batch)["logits"])
+  np.testing.assert_allclose(logits(cfg, params), logits(looped_cfg, looped), atol=1e-6, rtol=0)
+
+  export.save_hf(cfg, params, tmp_path / "ours")
+  back = transformers.ModernBertForMaskedLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
+  theirs = hf.state_dict()
+  for name, tensor in back.state_dict().items():
+    np.testing.assert_array_equal(tensor.numpy(), theirs[name].numpy(), err_msg=name)
 
 
 @pytest.mark.parametrize("size,released", [("base", 149_655_232), ("large", 395_881_664)])

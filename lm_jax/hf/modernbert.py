@@ -8,7 +8,7 @@ import numpy as np
 
 from lm_jax import defaults
 from lm_jax.hf import convert
-from lm_jax.models import layers, relayout
+from lm_jax.models import layers, modernbert, relayout
 
 FAMILY, MODEL_TYPE, ARCHITECTURE = "modernbert", "modernbert", "ModernBertForMaskedLM"
 FAN_IN_FAN_OUT = False   # nn.Linear weights are (out, in)
@@ -119,7 +119,7 @@ def config_from_hf(hf: dict) -> ml_collections.ConfigDict:
 
 def to_hf(cfg, params: dict) -> dict:
   out = convert.tree_to_hf(params, _BODY, BASE_PREFIX) | convert.tree_to_hf(params, _heads(cfg))
-  for i, layer in enumerate(relayout.get_layers(params, cfg.num_layers)):
+  for i, layer in enumerate(relayout.get_layers(modernbert.ungrouped(cfg, params), cfg.num_layers)):
     prefix = f"{BASE_PREFIX}layers.{i}."
     parts = convert.tree_to_hf(layer, _layer(i), prefix)
     for name, names in _FUSED.items():
@@ -129,7 +129,8 @@ def to_hf(cfg, params: dict) -> dict:
 
 
 def from_hf(cfg, tensors: dict) -> dict:
-  """Params from ModernBertForMaskedLM or ModernBertForSequenceClassification tensors."""
+  """Params (in cfg.scan_layers' layout) from ModernBertForMaskedLM or ModernBertForSequenceClassification
+  tensors."""
   shapes = convert.looped_shapes(cfg)
   params = convert.tree_from_hf(tensors, _BODY, shapes, BASE_PREFIX) | convert.tree_from_hf(tensors, _heads(cfg),
                                                                                               shapes)
@@ -142,7 +143,7 @@ def from_hf(cfg, tensors: dict) -> dict:
       fused = convert.checked_tensor(tensors, prefix + name, (rows, cfg.d_model))
       parts |= {prefix + n: t for n, t in zip(names, np.split(fused, len(names)))}
     per_layer.append(convert.tree_from_hf({**tensors, **parts}, _layer(i), shapes[f"layers_{i}"], prefix))
-  return convert.as_params(cfg, params | relayout.put_layers(per_layer, scan=False))
+  return convert.as_params(cfg, modernbert.grouped(cfg, params | relayout.put_layers(per_layer, scan=False)))
 
 
 def table(cfg) -> list:

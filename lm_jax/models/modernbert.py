@@ -8,7 +8,12 @@ model.rope_theta when i % model.global_every == 0, else to keys within model.sli
 local_attention = 2 * sliding_window) with model.local_rope_theta. Init is HF's: truncated normal
 (initializer_range), the residual projections and the head's dense scaled by 1 / sqrt(2 * num_layers).
 
-The layers differ (layer 0's missing norm, the two attention kinds), so they are looped, never scanned.
+Layer 0 differs from the rest (no attention norm) and the attention kinds alternate, so model.scan_layers scans
+groups of model.global_every layers instead of single ones: layer 0 stays looped (`layers_0`), then layers 1 ...
+G * global_every, G = (num_layers - 1) // global_every, are G groups of (local, ..., local, global) under 'layers'
+(sub-layers `local_0` ... and `global`, params with a leading axis of G), then the remaining local layers looped
+under their own index (`layers_<i>`). base's 22 layers: layers_0 + 7 groups; large's 28: layers_0 + 9 groups.
+grouped / ungrouped convert between the two layouts (the HF converter goes through the looped one).
 
 A model config with num_labels > 0 is a sequence classifier (HF ModernBertForSequenceClassification): the final
 states pooled (model.classifier_pooling: [CLS] or the mean over real tokens) -> head -> dropout -> 'classifier'.
@@ -18,10 +23,12 @@ import math
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lm_jax import flops
-from lm_jax.models import attention, costs, layers, mup
+from lm_jax.models import attention, blocks, costs, layers, mup
 from lm_jax.models.registry import Family, Tokens
 
 FIELDS = {                        # its own model config fields beyond the shared ones, with HF ModernBertConfig's
@@ -67,6 +74,26 @@ class Block(nn.Module):
     return layers.constrain(x, ("batch", "length", "embed")), None   # (x, cache) as blocks.stack's blocks
 
 
+class Group(nn.Module):
+  """One scanned step: model.global_every - 1 local layers, then a global one (HF's layers 1 + k * global_every ...
+  (k + 1) * global_every). Each layer is rematerialised on its own, as a looped one is."""
+  cfg: Any
+  deterministic: bool = True
+  kernel_init: layers.Init = nn.initializers.normal(0.02)
+  out_init: layers.Init | None = None
+
+  @nn.compact
+  def __call__(self, x, cache, global_mask, local_mask, positions):
+    cfg, block = self.cfg, _remat(self.cfg, Block, scanned=True)
+    kw = dict(first=False, deterministic=self.deterministic, kernel_init=self.kernel_init, out_init=self.out_init)
+    for name in group_names(cfg):
+      glob = name == "global"
+      x, _ = block(cfg, rope_theta=cfg.rope_theta if glob else cfg.local_rope_theta,
+                   window=None if glob else cfg.sliding_window, name=name, **kw)(
+                       x, global_mask if glob else local_mask, positions)
+    return x, cache
+
+
 class Head(nn.Module):
   """HF ModernBertPredictionHead: LN(act(dense(x))), no biases."""
   cfg: Any
@@ -83,6 +110,46 @@ class Head(nn.Module):
 
 def is_global(cfg, i: int) -> bool:
   return i % cfg.global_every == 0
+
+
+def group_names(cfg) -> list[str]:
+  return [f"local_{j}" for j in range(cfg.global_every - 1)] + ["global"]
+
+
+def grouped_layers(cfg) -> range:
+  """The layers model.scan_layers scans (in groups); the others stay looped."""
+  return range(1, 1 + (cfg.num_layers - 1) // cfg.global_every * cfg.global_every) if cfg.scan_layers else range(0)
+
+
+def _remat(cfg, block, scanned: bool):
+  if cfg.remat_policy == "none":
+    return block
+  return nn.remat(block, policy=layers.REMAT_POLICIES[cfg.remat_policy], prevent_cse=not scanned)
+
+
+def grouped(cfg, params: dict) -> dict:
+  """Looped params (`layers_<i>`) in cfg's layout: with model.scan_layers, grouped_layers' layers stacked into
+  the groups under 'layers' (module docstring)."""
+  inside = grouped_layers(cfg)
+  if not inside:
+    return params
+  g, names = cfg.global_every, group_names(cfg)
+  stack = lambda j: jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]),
+                                 *[params[f"layers_{i}"] for i in inside[j::g]])
+  outside = {k: v for k, v in params.items() if not (m := layers.LOOPED.fullmatch(k)) or int(m[1]) not in inside}
+  return outside | {"layers": {name: stack(j) for j, name in enumerate(names)}}
+
+
+def ungrouped(cfg, params: dict) -> dict:
+  """Inverse of grouped: every layer under `layers_<i>`."""
+  inside = grouped_layers(cfg)
+  if not inside:
+    return params
+  g, names, stacked = cfg.global_every, group_names(cfg), params["layers"]
+  out = {k: v for k, v in params.items() if k != "layers"}
+  for n, i in enumerate(inside):
+    out[f"layers_{i}"] = jax.tree.map(lambda a: a[n // g], stacked[names[n % g]])
+  return out
 
 
 class Model(nn.Module):
@@ -110,14 +177,17 @@ class Model(nn.Module):
     masks = {True: attention.make_attention_mask(attention_mask),
              False: attention.make_attention_mask(attention_mask, window=cfg.sliding_window, q_len=length,
                                                   kv_len=length)}
-    block = Block
-    if cfg.remat_policy != "none":
-      block = nn.remat(Block, policy=layers.REMAT_POLICIES[cfg.remat_policy])
+    block, inside = _remat(cfg, Block, scanned=False), grouped_layers(cfg)
+    attrs = dict(deterministic=not train, kernel_init=init, out_init=out_init)
     for i in range(cfg.num_layers):
+      if i in inside:   # all the groups at the first of their layers
+        if i == inside.start:
+          x, _ = blocks.stack(Group, len(inside) // cfg.global_every, scan=True, cfg=cfg, **attrs)(
+              x, None, masks[True], masks[False], positions)
+        continue
       glob = is_global(cfg, i)
       x, _ = block(cfg, first=i == 0, rope_theta=cfg.rope_theta if glob else cfg.local_rope_theta,
-                   window=None if glob else cfg.sliding_window, deterministic=not train, kernel_init=init,
-                   out_init=out_init, name=f"layers_{i}")(x, masks[glob], positions)
+                   window=None if glob else cfg.sliding_window, name=f"layers_{i}", **attrs)(x, masks[glob], positions)
     x = layers.LayerNorm(cfg.layer_norm_eps, use_bias=False, name="final_ln", **kw)(x)
 
     if cfg.get("num_labels", 0):
@@ -146,9 +216,6 @@ def check_config(cfg) -> None:
   n = cfg.get("num_labels", 0)
   if not isinstance(n, int) or n < 0:
     raise ValueError(f"model.num_labels must be a non-negative integer (0 = the MLM head), got {n!r}")
-  if cfg.scan_layers:
-    raise ValueError("model.family='modernbert' has layers that differ (layer 0 has no attention norm, every "
-                     "model.global_every-th layer is global): set model.scan_layers=False")
   if cfg.classifier_pooling not in POOLING:
     raise ValueError(f"unknown model.classifier_pooling {cfg.classifier_pooling!r}; known: {', '.join(POOLING)}")
   for name in ("rope_theta", "local_rope_theta"):
