@@ -30,7 +30,7 @@ from lm_jax import (checkpoint, config_lib, layout as layout_lib, models, object
                     storage)
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import export
-from lm_jax.models import layers, relayout
+from lm_jax.models import layers
 
 # Model fields the run chooses whatever the pre-trained model had: how it runs, and its task head.
 RUN_FIELDS = (*checkpoint.RUNTIME_MODEL_FIELDS, "scan_layers", "param_dtype", "num_labels", "frozen_reference")
@@ -155,7 +155,9 @@ def pretrained_params(config, mesh, rules) -> dict:
   params = restored.state["params"]
   if lay.policy.method:   # an adapter run's model is its merged one (NF4 kernels dequantised)
     params = jax.jit(lambda p: params_lib.folded(lay.policy, p))(params)
-  return relayout.relayout(params, m.scan_layers) if source.model.scan_layers != m.scan_layers else params
+  if source.model.scan_layers == m.scan_layers:
+    return params
+  return models.family(m).rescan(source.model, m, params)
 
 
 # ---------------------------------------------------------------------------------------------- initial params

@@ -241,6 +241,7 @@ def forward_flops(cfg, lengths) -> float:
 FAMILY = Family(
     name="modernbert", layout="encoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
     fields=FIELDS, sizes=("max_positions", "global_every", "sliding_window"), check_config=check_config, heads=HEADS,
+    rescan=lambda source, target, params: grouped(target, ungrouped(source, jax.device_get(params))),
     activation_bytes=functools.partial(costs.one_stack, head_transform=True),
     tokens=Tokens(spm=dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
                            control_symbols=["[CLS]", "[SEP]", "[MASK]"]),

@@ -9,7 +9,7 @@ its config checks.
 import dataclasses
 from typing import Callable
 
-from lm_jax.models import costs
+from lm_jax.models import costs, relayout
 
 LAYOUTS = ("encoder", "decoder", "encoder_decoder")
 
@@ -62,6 +62,10 @@ class Family:
                                                    # the backward pass per device (lm_jax/models/costs.py)
   kv_cache_bytes: Callable | None = None  # (cfg, rows, length, inputs=0) -> bytes of a decoding cache's keys/values
   heads: tuple = ()          # top-level param names that are task heads (summary counts them apart)
+  # (source model cfg, target model cfg, host params of source) -> the params in target's scan_layers layout: a
+  # checkpoint of a run with the other setting (init_from). Every stack is scanned or looped whole unless the family
+  # groups its layers (ModernBERT).
+  rescan: Callable = lambda source, target, params: relayout.relayout(params, target.scan_layers)
   learned_positions: bool = False   # max_positions bounds the sequence length
   init_cache: Callable | None = None     # (cfg, params, batch, max_length) -> KV cache (decoders)
   decode_step: Callable | None = None    # see layout
