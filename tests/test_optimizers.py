@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec
 
 from lm_jax import checks, config_lib, optim, params as params_lib, train
 from conftest import load_config, records, run_tokenizer
@@ -75,3 +76,48 @@ def test_branched_cooldown_continues_the_stable_run_exactly(shared_data, tmp_pat
   assert drop(records(tmp_path / "stable")) == expected[:6]
   assert expected[5]["lr"] == expected[6]["lr"] == pytest.approx(1e-2) and 1e-2 > expected[7]["lr"] > expected[8]["lr"]
   _same_params(branch["state"]["params"], whole["state"]["params"])
+
+
+# ------------------------------------------------------------------------------------------------------------ Muon
+def _matrix(path: str, x, scanned: bool):
+  """A Dense kernel unrolled to the 2-D (inputs, outputs) matrices of its layers: attention 'out' and MLP 'wo' take
+  their inputs on the leading axes, the rest on the first one."""
+  per_layer = list(x) if scanned else [x]
+  out_last = path.endswith(("out/kernel", "wo/kernel"))
+  return [m.reshape(-1, m.shape[-1]) if out_last else m.reshape(m.shape[0], -1) for m in per_layer]
+
+
+@pytest.mark.parametrize("name,overrides", [("gpt2", {"model.scan_layers": True}), ("bert", {})])
+def test_one_muon_step_equals_optax_on_the_unrolled_matrices(name, overrides):
+  opt = {"optimizer.name": "muon", "optimizer.lr": 0.02, "optimizer.adam_lr": 3e-3, "optimizer.weight_decay": 0.1,
+         "optimizer.clip_norm": 0.0, "optimizer.schedule": "constant", "optimizer.warmup_steps": 0}
+  small = {"model.d_model": 32, "model.num_heads": 2, "model.d_ff": 64, "model.vocab_size": 128}
+  policy = params_lib.resolve(config_lib.load(f"configs/{name}.py:tiny", {**small, **overrides, **opt}))
+  tx, _ = optim.make(policy, params_lib.logical_axes(policy))
+  rng = np.random.default_rng(0)   # numpy: no model init or per-shape random programs to compile
+  params = jax.tree.map(lambda a: 0.02 * rng.standard_normal(a.shape, np.float32), params_lib.abstract(policy))
+  # |g| >= 0.1: Adam's first step g / (|g| + eps) rounds differently between two programs as |g| nears eps
+  grads = jax.tree.map(lambda p: rng.uniform(0.1, 1, p.shape).astype(np.float32) * rng.choice([-1, 1], p.shape),
+                       params)
+  updates = jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
+
+  flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator="/"): x for p, x in
+                       jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))}
+  spec = {k: tuple(v) for k, v in flat(params_lib.logical_axes(policy)).items()}
+  p, g, u = flat(params), flat(grads), flat(updates)
+  hidden = {k for k in p if k.endswith("kernel") and None not in spec[k] and "vocab" not in spec[k]}
+  scanned = {k for k in hidden if spec[k][0] == "layers"}
+  assert hidden and (scanned if overrides else not scanned)
+  assert {"word_embeddings/embedding", "final_ln/scale" if name == "gpt2" else "nsp/kernel"} <= set(p) - hidden
+  unroll = lambda t: {f"{k}/{i}": m for k in hidden for i, m in enumerate(_matrix(k, t[k], k in scanned))}
+  muon = optax.contrib.muon(0.02, beta=0.95, weight_decay=0.1)   # every leaf 2-D: all Muon
+  expected = jax.jit(lambda g, p: muon.update(g, muon.init(p), p)[0])(unroll(g), unroll(p))
+  got = unroll(u)
+  for k in expected:
+    np.testing.assert_allclose(got[k], expected[k], atol=1e-6, err_msg=k)
+  rest = {k: p[k] for k in p if k not in hidden}
+  decay = {k: not k.endswith("bias") and sum(a != "layers" for a in spec[k]) > 1 for k in rest}
+  adamw = optax.adamw(3e-3, 0.9, 0.999, 1e-8, weight_decay=0.1, mask=decay)
+  expected = jax.jit(lambda g, p: adamw.update(g, adamw.init(p), p)[0])({k: g[k] for k in rest}, rest)
+  for k in rest:
+    np.testing.assert_allclose(u[k], expected[k], atol=1e-6, err_msg=k)
