@@ -4,7 +4,14 @@ stable-phase checkpoint continuing that run exactly; one Muon step on a scanned 
 optax.contrib.muon on the same matrices unrolled to 2-D, the other leaves to optax.adamw; schedule-free evaluation
 at the averaged params, not the iterate; each new optimizer on 8 simulated devices, after kill -9, with LoRA and
 with microbatches."""
+import json
 import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +20,12 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec
 
+from flax import linen as nn
+
 from lm_jax import checks, config_lib, optim, params as params_lib, train
-from conftest import load_config, records, run_tokenizer
+from lm_jax.evals import evaluators, run_eval
+from conftest import REPO, load_config, records, run_tokenizer
+from test_mesh import XLA_FLAGS
 
 NEW = ("muon", "lion", "schedule_free_adamw")
 
@@ -121,3 +132,153 @@ def test_one_muon_step_equals_optax_on_the_unrolled_matrices(name, overrides):
   expected = jax.jit(lambda g, p: adamw.update(g, adamw.init(p), p)[0])({k: g[k] for k in rest}, rest)
   for k in rest:
     np.testing.assert_allclose(u[k], expected[k], atol=1e-6, err_msg=k)
+
+
+# ------------------------------------------------------------------------------ Lion and schedule-free AdamW
+def _two_steps(tx, params, grads):
+  """params after two updates of tx, the same grads each time (schedule-free's weights move by the second)."""
+  def run(p, g):
+    state = tx.init(p)
+    for _ in range(2):
+      u, state = tx.update(g, state, p)
+      p = optax.apply_updates(p, u)
+    return p
+  return jax.jit(run)(params, grads)
+
+
+@pytest.mark.parametrize("name,reference", [
+    ("lion", lambda mask: optax.lion(1e-3, 0.9, 0.99, weight_decay=0.1, mask=mask)),
+    ("schedule_free_adamw", lambda mask: optax.contrib.schedule_free_adamw(1e-3, warmup_steps=1, weight_decay=0.1))])
+def test_lion_and_schedule_free_equal_optax_with_the_decay_mask(name, reference):
+  """Decay on GPT-1's weights of rank > 1 that are not biases, as every AdamW here: optax's schedule_free_adamw
+  decays every leaf, so it is the reference on the decayed leaves."""
+  policy = params_lib.resolve(config_lib.load("configs/gpt1.py:tiny", {
+      "optimizer.name": name, "optimizer.clip_norm": 0.0, "optimizer.schedule": "constant", "optimizer.lr": 1e-3,
+      "optimizer.weight_decay": 0.1, "optimizer.b2": 0.99 if name == "lion" else 0.999,
+      "optimizer.warmup_steps": 0 if name == "lion" else 1}))
+  tx, _ = optim.make(policy, params_lib.logical_axes(policy))
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda a: 0.02 * rng.standard_normal(a.shape, np.float32), params_lib.abstract(policy))
+  grads = jax.tree.map(lambda p: rng.uniform(0.1, 1, p.shape).astype(np.float32) * rng.choice([-1, 1], p.shape),
+                       params)
+  decay = jax.tree_util.tree_map_with_path(lambda p, x: p[-1].key != "bias" and x.ndim > 1, params)
+  got, expected = _two_steps(tx, params, grads), _two_steps(reference(decay), params, grads)
+  checked = 0
+  for u, e, d in zip(jax.tree.leaves(got), jax.tree.leaves(expected), jax.tree.leaves(decay)):
+    if d or name == "lion":
+      np.testing.assert_allclose(u, e, rtol=1e-6, atol=1e-9)
+      checked += 1
+  assert checked >= 4
+
+
+def test_schedule_free_evaluates_exports_and_decodes_its_average(shared_data, tmp_path):
+  """Evaluation in the trainer, --mode=eval and the params export / generate read back (run_eval.restore_params)
+  are at x = (y - (1 - b1) z) / b1 (Defazio et al. 2024, eq. 1, written out here), not at the iterate y: the losses
+  at the two differ, so reading y fails."""
+  config = load_config("clm", shared_data, total_steps=4, eval_every=4, log_every=4, **{
+      "optimizer.name": "schedule_free_adamw", "optimizer.lr": 3e-2, "optimizer.warmup_steps": 0})
+  result = train.train(config, str(tmp_path))
+  sf = [s for s in jax.tree.leaves(result["state"]["opt_state"], is_leaf=lambda x: isinstance(x, optim.SF_STATE))
+        if isinstance(s, optim.SF_STATE)][0]
+  y = result["state"]["params"]
+  x = jax.tree.map(lambda yi, zi: (yi - (1 - sf.b1) * zi) / sf.b1, y, sf.z)
+  s, restored, step = run_eval.restore_params(config, str(tmp_path))
+  assert step == 4
+  _same_params(jax.device_get(restored), jax.device_get(x))
+  evaluate = evaluators.make(s)
+  with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
+    at_x, at_y = evaluate(x)["eval_loss"], evaluate(y)["eval_loss"]
+  assert abs(at_x - at_y) > 1e-3
+  assert result["eval"]["eval_loss"] == pytest.approx(at_x, rel=1e-6)
+  assert run_eval.evaluate_checkpoint(config, str(tmp_path))["eval_loss"] == pytest.approx(at_x, rel=1e-6)
+
+
+# -------------------------------------------------------------------------------- meshes, kill -9, LoRA, microbatches
+def _flags(name, tok, **more):
+  return {"total_steps": 6, "log_every": 1, "eval_every": 0, "checkpoint_every": 2, "batch_size": 16,
+          "data.tokenizer": tok, "optimizer.name": name, "optimizer.lr": 1e-2, "optimizer.warmup_steps": 1, **more}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(shared_data, tmp_path_factory):
+  work = tmp_path_factory.mktemp("tok")
+  run_tokenizer(load_config("clm", shared_data), str(work))
+  return str(next(work.glob("*.model")))
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import json, pathlib, sys
+    import jax, numpy as np
+    sys.path.insert(0, {tests!r})
+    from conftest import load_config, records
+    from lm_jax import train
+    out = {{}}
+    for name, flags in {runs!r}.items():
+      for mesh in [(1, 1, 1), (2, 2, 2)]:
+        work = f"{work}/{{name}}-{{mesh}}"
+        axes = dict(zip(("mesh.data", "mesh.fsdp", "mesh.tensor"), mesh))
+        config = load_config("clm", pathlib.Path({data!r}), **flags, **axes)
+        train.train(config, work, devices=jax.devices()[:int(np.prod(mesh))])
+        out[f"{{name}} {{mesh}}"] = [[r["loss"], r["grad_norm"]] for r in records(work)]
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_new_optimizers_on_8_devices_match_one(shared_data, tokenizer, tmp_path):
+  """Muon, Lion and schedule-free AdamW: loss and grad norm at each step on a (data 2, fsdp 2, tensor 2) mesh of 8
+  simulated devices equal one device's."""
+  runs = {name: _flags(name, tokenizer, **{"model.d_model": 64, "model.d_ff": 256}) for name in NEW}
+  script = MESH_SCRIPT.format(tests=str(REPO / "tests"), runs=runs, work=str(tmp_path), data=str(shared_data))
+  run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "XLA_FLAGS": XLA_FLAGS})
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = json.loads(run.stdout.split("RESULT")[-1])
+  for name in NEW:
+    one, eight = out[f"{name} (1, 1, 1)"], out[f"{name} (2, 2, 2)"]
+    assert len(one) == 6 and one[-1][0] < one[0][0], (name, one)
+    assert sum(eight, []) == pytest.approx(sum(one, []), rel=1e-5), (name, eight, one)
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, pathlib, signal, sys
+    sys.path.insert(0, {tests!r})
+    from conftest import load_config
+    from lm_jax import sharding, train
+    real, calls = sharding.global_batch, []
+    def global_batch(*args):   # kill -9 before step 5's batch: after checkpoints 2 and 4 were started
+      calls.append(1)
+      if len(calls) == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+      return real(*args)
+    sharding.global_batch = global_batch
+    train.train(load_config("clm", pathlib.Path({data!r}), **{flags!r}), {work!r})
+""")
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_kill_9_resumes_exactly(name, shared_data, tokenizer, tmp_path, capfd):
+  flags = _flags(name, tokenizer)
+  whole = train.train(load_config("clm", shared_data, **flags), str(tmp_path / "whole"))
+  script = KILL_SCRIPT.format(tests=str(REPO / "tests"), data=str(shared_data), flags=flags, work=str(tmp_path / "b"))
+  run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+  capfd.readouterr()
+  resumed = train.train(load_config("clm", shared_data, **flags), str(tmp_path / "b"))
+  assert re.search(r"resumed step [24] from", capfd.readouterr().out)   # 4 unless its async save was cut short
+  keep = lambda recs: [{k: r[k] for k in ("step", "loss", "grad_norm", "lr")} for r in recs]
+  assert keep(records(tmp_path / "b"))[-2:] == keep(records(tmp_path / "whole"))[-2:]
+  _same_params(resumed["state"]["params"], whole["state"]["params"])
+  _same_params(resumed["state"]["opt_state"], whole["state"]["opt_state"])
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_lora_adapters_and_microbatches_train(name, shared_data, tokenizer, tmp_path):
+  """Adapters only (the optimizer state holds nothing else) with 2 microbatches: the same steps as 1 microbatch."""
+  flags = _flags(name, tokenizer, total_steps=3, checkpoint_every=10, **{"lora.rank": 4})
+  one = train.train(load_config("clm", shared_data, **flags), str(tmp_path / "one"))
+  two = train.train(load_config("clm", shared_data, microbatches=2, **flags), str(tmp_path / "two"))
+  sizes = {x.size for x in jax.tree.leaves(one["state"]["opt_state"]) if x.size > 1}
+  assert sizes and max(sizes) <= 32 * 4 * 2, sizes   # a (32, rank) adapter's state, never a kernel's
+  loss = lambda tmp: [r["loss"] for r in records(tmp)]
+  assert loss(tmp_path / "two") == pytest.approx(loss(tmp_path / "one"), rel=1e-5)
+  assert loss(tmp_path / "one")[-1] < loss(tmp_path / "one")[0]
