@@ -9,7 +9,7 @@ from typing import Callable
 
 import jax
 
-from lm_jax import checkpoint, init_from, loop, objectives, optim, params as params_lib, sharding, step
+from lm_jax import checkpoint, config_lib, init_from, loop, objectives, optim, params as params_lib, sharding, step
 from lm_jax.data import pipeline
 from lm_jax.evals import evaluators
 from lm_jax.obs import goodput
@@ -27,8 +27,10 @@ def _init_or_restore(s: Setup, mngr, train_it):
   restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=True)
   if restored is None and optim.branches_cooldown(s.config) and not init_from.is_hf(s.config.init_from):
     source = checkpoint.manager(s.config.init_from, 1, read_only=True)   # WSD: the stable run's state, step, data
+    own = s.config.data.tokenizer.startswith(s.config.init_from)   # the one the stable run trained: no data change
+    config = config_lib.replaced(s.config, {"data.tokenizer": ""}) if own else s.config
     restored = optim.check_branch(s.config, checkpoint.restore_latest(source, s.abstract_state, s.state_sharding,
-                                                                      s.config, with_data=True))
+                                                                      config, with_data=True))
     source.close()
     return restored.state, loop.resume(restored, source.directory, train_it)
   if restored is None:

@@ -46,3 +46,8 @@ def test_finetune_against_transformers(shared_data, tmp_path):
   out = bench(REPO / "bench" / "finetune.py", "--steps", "3", "--log_every", "1", "--set",
               f"task.files={tmp_path}/{{split}}.tsv")
   assert "full: tokens/s ours / peer" in out, out
+
+
+def test_optimizers_against_adamw(shared_data):
+  out = bench(REPO / "bench" / "optimizers.py", "--quick", "--only=muon")
+  assert "| muon | 10 |" in out and "| adamw_cosine | 10 |" in out, out

@@ -74,12 +74,11 @@ def _same_params(a, b):
 def test_branched_cooldown_continues_the_stable_run_exactly(shared_data, tmp_path):
   """A long WSD run stopped in its stable phase at step 6; a cooldown 6 -> 9 branched from it (init_from) equals a
   run that was 9 steps with its cooldown at 6 from the start: steps, rates, losses, params."""
-  run_tokenizer(load_config("clm", shared_data), str(tmp_path / "tok"))   # one tokenizer: one data stream
-  tok = {"data.tokenizer": str(next((tmp_path / "tok").glob("*.model")))}
-  _run(shared_data, tmp_path / "stable", total_steps=40, phase_end_step=6, **tok)
+  _run(shared_data, tmp_path / "stable", total_steps=40, phase_end_step=6)   # trains its tokenizer, as a run does
+  tok = {"data.tokenizer": str(next((tmp_path / "stable").glob("tokenizer_*.model")))}
   whole = _run(shared_data, tmp_path / "whole", total_steps=9, **{"optimizer.cooldown_start": 6, **tok})
   branch = _run(shared_data, tmp_path / "branch", total_steps=9, init_from=str(tmp_path / "stable"),
-                **{"optimizer.cooldown_start": 6, **tok})
+                **{"optimizer.cooldown_start": 6})
   drop = lambda recs: [{k: r[k] for k in ("step", "loss", "lr", "grad_norm")} for r in recs]
   expected = drop(records(tmp_path / "whole"))
   assert [r["step"] for r in records(tmp_path / "branch")] == [7, 8, 9]
