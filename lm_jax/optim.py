@@ -7,6 +7,8 @@ The papers' recipes (docs/reference.md#optimizers):
               decoupled decay (lr * l2 * param) on weights of rank > 1.
   adafactor   T5: factored second moments, update clipping 1.0, decay 0.8, parameter-scaled steps.
   adamw       generic AdamW, decay on weights of rank > 1.
+And 2024's, through optax (docs/configs.md#optimizers-of-2024-and-wsd): muon (the hidden matrices by their
+logical axes, AdamW for the rest), lion, schedule_free_adamw (evaluated at eval_params); the wsd schedule.
 The Adam family is written out (adam below) rather than chained from optax because optax's Adam always
 applies bias correction and BERT's does not; for the others it equals the optax chain (tests/test_step.py).
 "Rank" ignores the stacked 'layers' axis of scanned models, so LayerNorm scales are vectors with or

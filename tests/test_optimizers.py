@@ -24,6 +24,7 @@ from flax import linen as nn
 
 from lm_jax import checks, config_lib, optim, params as params_lib, train
 from lm_jax.evals import evaluators, run_eval
+from lm_jax.plan import memory
 from conftest import REPO, load_config, records, run_tokenizer
 from test_mesh import XLA_FLAGS
 
@@ -281,3 +282,14 @@ def test_lora_adapters_and_microbatches_train(name, shared_data, tokenizer, tmp_
   loss = lambda tmp: [r["loss"] for r in records(tmp)]
   assert loss(tmp_path / "two") == pytest.approx(loss(tmp_path / "one"), rel=1e-5)
   assert loss(tmp_path / "one")[-1] < loss(tmp_path / "one")[0]
+
+
+def test_memory_estimate_counts_each_optimizer_state():
+  """lm_jax.plan.memory (--mode=summary, plan) from the optimizer's real state: Lion keeps one moment, schedule-free
+  two (z and the second moment), Muon one for the matrices and Adam's two for the rest."""
+  est = {n: memory.estimate(config_lib.load("configs/gpt2.py:tiny", {"optimizer.name": n}), num_devices=1)
+         for n in ("adamw", *NEW)}
+  params = est["adamw"].params
+  assert est["lion"].opt_state == pytest.approx(params, abs=64)
+  assert est["schedule_free_adamw"].opt_state == pytest.approx(2 * params, abs=64)
+  assert params < est["muon"].opt_state < est["adamw"].opt_state == pytest.approx(2 * params, abs=64)
