@@ -7,9 +7,9 @@ Variants:
                         --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0 --eval_iters=20): validation loss 1.88.
   shakespeare_char_cpu_muon  the CPU line with Muon (Jordan et al. 2024; optax.contrib.muon) on the hidden
                         matrices at lr 0.02, momentum 0.95, and AdamW at 1e-3 (the recipe's) on the embeddings and
-                        norms; the same warmup, cosine and weight decay. Rates: modded-nanogpt's Muon lr 0.02-0.05;
-                        a 300-step sweep here (bench/optimizers.py --steps=300 --only=muon, seed 0, exact val loss)
-                        gave lr 0.01: SWEEP_01, 0.02: SWEEP_02, 0.04: SWEEP_04.
+                        norms; the same warmup, cosine and weight decay. Rates: optax.contrib.muon's and Keller
+                        Jordan's default 0.02; the sweep (bench/optimizers.py --steps=300 --only=muon
+                        --set=optimizer.lr=0.01 / 0.02 / 0.04) did not finish on the shared machine: not yet tuned.
 Both: a character vocabulary (65 symbols for Tiny Shakespeare), the file's first 90% of characters train and the
 rest evaluates (data/shakespeare_char/prepare.py), random windows (train.py get_batch), GPT-2's pre-LN block
 without biases (model.py, bias=False), exact GELU, LayerNorm eps 1e-5, N(0, 0.02) init with the residual
