@@ -33,7 +33,8 @@ RANGES = {
     "eval_every": _at_least(0), "seed": _at_least(0), "peak_tflops": _at_least(0),
     "optimizer.lr": _above(0), "optimizer.b1": _UNIT, "optimizer.b2": _UNIT, "optimizer.eps": _above(0),
     "optimizer.weight_decay": _at_least(0), "optimizer.warmup_steps": _at_least(0),
-    "optimizer.clip_norm": _at_least(0),
+    "optimizer.clip_norm": _at_least(0), "optimizer.cooldown_fraction": ("in [0, 1]", lambda x: 0 <= x <= 1),
+    "optimizer.cooldown_start": _at_least(0), "optimizer.adam_lr": _at_least(0), "optimizer.muon_momentum": _UNIT,
     "data.target_len": _at_least(0), "data.eval_batches": _at_least(0), "data.shards": _at_least(1),
     "data.workers": _at_least(1),
     "model.initializer_range": _above(0),
@@ -65,6 +66,10 @@ def _validate(config, num_devices, process_count):
   require(o.name in optim.OPTIMIZERS, f"config.optimizer.name={o.name!r} unknown; use {', '.join(optim.OPTIMIZERS)}")
   require(o.schedule in optim.SCHEDULES,
            f"config.optimizer.schedule={o.schedule!r} unknown; use {', '.join(optim.SCHEDULES)}")
+  require(o.cooldown_shape in optim.COOLDOWN_SHAPES, f"config.optimizer.cooldown_shape={o.cooldown_shape!r} "
+           f"unknown; use {', '.join(optim.COOLDOWN_SHAPES)}")
+  if o.schedule == "wsd":
+    optim.cooldown_start(o, config.total_steps)   # inside [warmup_steps, total_steps]
   require(0 <= config.phase_end_step <= config.total_steps, f"config.phase_end_step={config.phase_end_step} "
            f"must be in [0, total_steps={config.total_steps}] (0 = total_steps)")
   data, fsdp, tensor = sharding.mesh_shape(config, num_devices)

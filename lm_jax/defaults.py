@@ -56,6 +56,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.schedule = "linear"
   c.optimizer.min_lr_ratio = 0.0  # linear / cosine decay end at lr * min_lr_ratio (nanoGPT's min_lr / lr)
   c.optimizer.clip_norm = 1.0
+  c.optimizer.cooldown_fraction = 0.2  # wsd: the last 20% of total_steps decays to lr * min_lr_ratio
+  c.optimizer.cooldown_shape = "linear"  # wsd: linear | 1-sqrt | cosine
+  c.optimizer.cooldown_start = 0  # wsd: step the cooldown starts (0 = from cooldown_fraction); with init_from a
+                                  # stable-phase workdir, a branched cooldown from its checkpoint (docs/configs.md)
+  c.optimizer.adam_lr = 0.0       # muon: AdamW's lr for embeddings, output head, norms, biases (0 = optimizer.lr)
+  c.optimizer.muon_momentum = 0.95  # muon: Nesterov momentum of the matrices
 
   c.z_loss = 0.0                  # z-loss weight on log(Z)^2 (PaLM / T5X); 0 = off
   c.label_smoothing = 0.0

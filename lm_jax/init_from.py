@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from lm_jax import (checkpoint, config_lib, layout as layout_lib, models, objectives, params as params_lib,
+from lm_jax import (checkpoint, config_lib, layout as layout_lib, models, objectives, optim, params as params_lib,
                     storage)
 from lm_jax.data import tokenizer as tokenizer_lib
 from lm_jax.hf import export
@@ -152,7 +152,7 @@ def pretrained_params(config, mesh, rules) -> dict:
     restored = checkpoint.restore_latest(mngr, lay.abstract_state, lay.state_sharding, source, with_data=False)
   finally:
     mngr.close()
-  params = restored.state["params"]
+  params = optim.eval_params(restored.state, lay.policy.trainable)   # schedule-free: its average
   if lay.policy.method:   # an adapter run's model is its merged one (NF4 kernels dequantised)
     params = jax.jit(lambda p: params_lib.folded(lay.policy, p))(params)
   if source.model.scan_layers == m.scan_layers:
@@ -256,4 +256,4 @@ def restore_params(s, source: str) -> tuple[dict, int]:
   mngr.close()
   if restored is None:
     raise FileNotFoundError(f"no checkpoint in {mngr.directory}; train first (--mode=train)")
-  return restored.state["params"], restored.step
+  return optim.eval_params(restored.state, s.policy.trainable), restored.step

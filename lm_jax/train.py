@@ -9,7 +9,7 @@ from typing import Callable
 
 import jax
 
-from lm_jax import checkpoint, init_from, loop, objectives, params as params_lib, sharding, step
+from lm_jax import checkpoint, config_lib, init_from, loop, objectives, optim, params as params_lib, sharding, step
 from lm_jax.data import pipeline
 from lm_jax.evals import evaluators
 from lm_jax.obs import goodput
@@ -25,6 +25,14 @@ def _train_iterator(s: Setup):
 def _init_or_restore(s: Setup, mngr, train_it):
   """(state, start step): the latest checkpoint with its data position, or a fresh state at step 0."""
   restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=True)
+  if restored is None and optim.branches_cooldown(s.config) and not init_from.is_hf(s.config.init_from):
+    source = checkpoint.manager(s.config.init_from, 1, read_only=True)   # WSD: the stable run's state, step, data
+    own = s.config.data.tokenizer.startswith(s.config.init_from)   # the one the stable run trained: no data change
+    config = config_lib.replaced(s.config, {"data.tokenizer": ""}) if own else s.config
+    restored = optim.check_branch(s.config, checkpoint.restore_latest(source, s.abstract_state, s.state_sharding,
+                                                                      config, with_data=True))
+    source.close()
+    return restored.state, loop.resume(restored, source.directory, train_it)
   if restored is None:
     state = step.fresh_state(s.policy, s.tx, s.state_sharding)
     if s.config.init_from:   # pre-trained params; new heads keep the seeded init
@@ -62,7 +70,8 @@ def _loop(s: Setup, state, start: int, run: loop.Session, train_it) -> tuple[dic
   schedules = loop.Schedules(
       c, mngr, run.log, _record(s, peak, train_it),
       save=lambda i, state: checkpoint.save(mngr, i, state, data_state(), c), ledger=ledger, data_state=data_state,
-      evaluate=(lambda state: evaluator(state["params"], int(state["step"]))) if evaluator else None,
+      evaluate=(lambda state: evaluator(optim.eval_params(state, s.policy.trainable), int(state["step"])))
+      if evaluator else None,
       tokens_per_step=c.batch_size * s.objective.tokens_per_example(c),
       best=checkpoint.Best(str(mngr.directory.parent), c) if evaluator and c.finetune.best_metric else None)
   batches = ledger.waited(train_it)   # the time in next() is the data wait

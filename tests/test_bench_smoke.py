@@ -64,3 +64,8 @@ def test_mup_transfer_as_a_sweep(shared_data, tmp_path):
   assert all(3.5 < by_lr["-7"] < 4.5 for per_width in losses.values() for by_lr in per_width.values()), losses
   again = subprocess.run(args, cwd="/", capture_output=True, text=True, timeout=600, env=env)
   assert again.returncode == 0 and "nothing to start" in again.stdout, again.stdout + again.stderr[-2000:]
+
+
+def test_optimizers_against_adamw(shared_data):
+  out = bench(REPO / "bench" / "optimizers.py", "--quick", "--only=muon")
+  assert "| muon | 10 |" in out and "| adamw_cosine | 10 |" in out, out
