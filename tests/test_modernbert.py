@@ -199,3 +199,27 @@ def test_tiny_run_resumes_exactly_exports_and_fills_masks(shared_data, tmp_path)
   mean = (states[1].numpy() * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)   # after layer 1 (0: embeddings)
   np.testing.assert_allclose(probe.features(model_cfg, params, probe_tok, examples, seq_len=32, chosen=(0,),
                                             pooling="mean", batch_size=2), mean, atol=1e-4)
+
+
+def test_init_from_a_run_with_the_other_scan_layers(shared_data, tmp_path):
+  """A looped run's checkpoint starts a scanned run (layer 0, one group, a looped local layer) with the same model:
+  equal logits, and rescanned back the same tree (Family.rescan: ModernBERT's groups, not the generic stacks)."""
+  tiny = {"data.files": str(shared_data / "tiny_shakespeare" / "input.txt"), "data.tfds_name": "",
+          "model.vocab_size": 256, "model.d_model": 32, "model.num_heads": 2, "model.d_ff": 64, "model.num_layers": 5,
+          "model.sliding_window": 8, "data.seq_len": 32, "data.max_predictions_per_seq": 10, "batch_size": 8,
+          "total_steps": 1, "eval_every": 0, "checkpoint_every": 1, "phase_end_step": 0}
+  looped = config_lib.load("configs/modernbert.py:tiny", tiny)
+  source = train.train(looped, str(tmp_path / "looped"))["state"]["params"]
+  scanned = config_lib.load("configs/modernbert.py:tiny", {**tiny, "model.scan_layers": True,
+                                                           "init_from": str(tmp_path / "looped")})
+  from lm_jax import init_from, setup as setup_lib
+  s = setup_lib.setup(scanned, str(tmp_path / "scanned"))
+  with jax.set_mesh(s.mesh):
+    params = jax.device_get(init_from.pretrained_params(s.config, s.mesh, s.rules))
+  assert set(params) == set(source) - {"layers_1", "layers_2", "layers_3"} | {"layers"}
+  assert sorted(params["layers"]) == ["global", "local_0", "local_1"]
+  batch = {"input_ids": jnp.asarray(IDS % 256), "attention_mask": jnp.asarray(MASK)}
+  np.testing.assert_allclose(_apply(ml_collections.FrozenConfigDict(s.config.model), params, batch)["logits"],
+                             _apply(ml_collections.FrozenConfigDict(looped.model), source, batch)["logits"], atol=1e-6)
+  back = models.family("modernbert").rescan(s.config.model, looped.model, params)
+  jax.tree.map(np.testing.assert_array_equal, back, jax.device_get(source))
