@@ -8,7 +8,8 @@ from lm_jax import objectives
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = [p for pattern in ("*.md", "lm_jax/**/*.py", "configs/*.py", "tests/*.py", "bench/*", "launch/*", ".ci/*")
-           for p in REPO.glob(pattern) if p.is_file() and p != pathlib.Path(__file__).resolve()]
+           for p in REPO.glob(pattern)
+           if p.is_file() and p.suffix != ".png" and p != pathlib.Path(__file__).resolve()]   # text, not plots
 
 
 def _anchors(page):
