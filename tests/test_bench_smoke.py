@@ -1,6 +1,7 @@
 """Each benchmark's tiny form runs to its ratio line, so none rots between the runs that measure (bench/README.md).
 data_throughput, nanogpt and checkpoint_stall have their own tests; rlhf_sst2 judges finished runs (test_ppo checks
 its statistics)."""
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,13 @@ def test_finetune_against_transformers(shared_data, tmp_path):
   out = bench(REPO / "bench" / "finetune.py", "--steps", "3", "--log_every", "1", "--set",
               f"task.files={tmp_path}/{{split}}.tsv")
   assert "full: tokens/s ours / peer" in out, out
+
+
+def test_nanogpt_grid_tiny(tmp_path):
+  """bench/nanogpt.py --shapes=tiny: 2 shapes, 20 steps, ours only (no nanoGPT checkout): the table, and for each
+  shape our run's step time and its split (minimal jit of forward+backward, + optimizer, our compiled step)."""
+  out = bench(REPO / "bench" / "nanogpt.py", "--shapes=tiny", "--steps=20", "--json", tmp_path / "grid.json")
+  rows = json.loads((tmp_path / "grid.json").read_text())
+  assert [(r["n_layer"], r["n_embd"]) for r in rows] == [(1, 64), (2, 64)], out
+  assert all(min(r["ours"], r["fb"], r["opt"], r["step"]) > 0 and "nanogpt" not in r for r in rows), rows
+  assert "L x D, heads" in out and "load" in out, out
