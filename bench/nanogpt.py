@@ -46,7 +46,7 @@ GRID = {   # (n_layer, n_head, n_embd, block_size, batch_size): the CPU recipe's
     "grid": [(4, 4, 128, 64, 12),     # the README's CPU line
              (2, 4, 128, 64, 8), (6, 6, 192, 64, 8), (3, 6, 384, 64, 8), (3, 4, 256, 128, 8),
              (2, 4, 128, 256, 8), (2, 4, 128, 64, 64)],
-    "tiny": [(1, 4, 64, 32, 4), (2, 4, 64, 32, 8)]}
+    "tiny": [(1, 4, 64, 32, 4), (1, 4, 64, 64, 8)]}
 
 
 def shape(args) -> dict:
@@ -163,7 +163,7 @@ def train_ours(sh: dict, args) -> float:
   from lm_jax import config_lib, train
   config = config_lib.override(config_lib.load("configs/nanogpt.py:shakespeare_char_cpu",
                                                grid_overrides(sh, args.steps, args.data)), args.set)
-  with tempfile.TemporaryDirectory() as workdir, contextlib.redirect_stdout(open(os.devnull, "w")):
+  with tempfile.TemporaryDirectory() as workdir, open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
     train.train(config, workdir)
     return ours_result(workdir, sh["batch_size"] * sh["block_size"])["ms_step"]
 
@@ -182,9 +182,9 @@ def split_step(sh: dict, n: int, data: str) -> dict:
   it = pipeline.make_train_iterator(config, s.tokenizer, s.objective)
   host_batch = next(it)
   tokens, d = sh["batch_size"] * sh["block_size"], sh["n_embd"]
-  a, b = jnp.ones((tokens, d), jnp.float32), jnp.ones((d, 4 * d), jnp.float32)
+  x, w = jnp.ones((tokens, d), jnp.float32), jnp.ones((d, 4 * d), jnp.float32)
   mm = jax.jit(jnp.dot)
-  matmul_rate = 2 * tokens * d * 4 * d / (_ms(lambda: mm(a, b), 20, 5) / 1000)
+  matmul_rate = 2 * tokens * d * 4 * d / (_ms(lambda: mm(x, w), 20, 5) / 1000)
   with jax.set_mesh(s.mesh), nn.logical_axis_rules(s.rules):
     batch_sh = sharding.batch_sharding(s.mesh)
     batch = sharding.global_batch(host_batch, batch_sh)
@@ -252,14 +252,15 @@ def grid_line(r: dict) -> str:
   nano = f"{r['nanogpt']:8.1f}" if "nanogpt" in r else f"{'-':>8}"
   floor = 100 * r["flops"] / (r["matmul_tflops"] * 1e12) * 1000 / r["ours"]
   return (f"{r['n_layer']:>4} x {r['n_embd']:3}, {r['n_head']} {r['block_size']:>4} x {r['batch_size']:<3} {nano} "
-          f"{r['ours']:7.1f} {ratio} {floor:7.0f}% {r['fb']:6.1f} {r['opt']:6.1f} {r['step']:6.1f} {r['dispatch']:5.2f} "
-          f"{r['ours'] - r['step']:5.1f}  {r['load'][0]:.2f}-{r['load'][1]:.2f}")
+          f"{r['ours']:7.1f} {ratio} {floor:7.0f}% {r['fb']:6.1f} {r['opt']:6.1f} {r['step']:6.1f} "
+          f"{r['dispatch']:5.2f} {r['ours'] - r['step']:5.1f}  {r['load'][0]:.2f}-{r['load'][1]:.2f}")
 
 
 def print_grid(rows: list[dict]):
   print("ms per step (nanoGPT: median 'time' of its iterations; lm_jax: median log window). ratio = nanoGPT / lm_jax "
         "(> 1: ours faster). fb / opt / step: a minimal jit of forward+backward / + clip and AdamW / our train step "
-        "with metrics fed from numpy; disp: host ms of one step call; host: lm_jax - step, the run's data and loop work")
+        "with metrics fed from numpy (best of 3); disp: host ms of one step call; host: lm_jax - step, the run's data "
+        "and loop work")
   print(HEADER)
   for r in rows:
     print(grid_line(r))

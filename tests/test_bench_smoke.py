@@ -54,6 +54,6 @@ def test_nanogpt_grid_tiny(tmp_path):
   shape our run's step time and its split (minimal jit of forward+backward, + optimizer, our compiled step)."""
   out = bench(REPO / "bench" / "nanogpt.py", "--shapes=tiny", "--steps=20", "--json", tmp_path / "grid.json")
   rows = json.loads((tmp_path / "grid.json").read_text())
-  assert [(r["n_layer"], r["n_embd"]) for r in rows] == [(1, 64), (2, 64)], out
+  assert [(r["block_size"], r["batch_size"]) for r in rows] == [(32, 4), (64, 8)], out
   assert all(min(r["ours"], r["fb"], r["opt"], r["step"]) > 0 and "nanogpt" not in r for r in rows), rows
   assert "L x D, heads" in out and "load" in out, out
