@@ -69,3 +69,13 @@ def test_mup_transfer_as_a_sweep(shared_data, tmp_path):
 def test_optimizers_against_adamw(shared_data):
   out = bench(REPO / "bench" / "optimizers.py", "--quick", "--only=muon")
   assert "| muon | 10 |" in out and "| adamw_cosine | 10 |" in out, out
+
+
+def test_nanogpt_grid_tiny(tmp_path):
+  """bench/nanogpt.py --shapes=tiny: 2 shapes, 20 steps, ours only (no nanoGPT checkout): the table, and for each
+  shape our run's step time and its split (minimal jit of forward+backward, + optimizer, our compiled step)."""
+  out = bench(REPO / "bench" / "nanogpt.py", "--shapes=tiny", "--steps=20", "--json", tmp_path / "grid.json")
+  rows = json.loads((tmp_path / "grid.json").read_text())
+  assert [(r["block_size"], r["batch_size"]) for r in rows] == [(32, 4), (64, 8)], out
+  assert all(min(r["ours"], r["fb"], r["opt"], r["step"]) > 0 and "nanogpt" not in r for r in rows), rows
+  assert "L x D, heads" in out and "load" in out, out
