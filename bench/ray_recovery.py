@@ -1,7 +1,7 @@
 """launch/ray_train.py on CPUs: 2 Ray workers x 4 simulated devices against 1 process x 8, and a worker killed with
 kill -9 mid-run.
 
-  python bench/ray_recovery.py [--steps=16] [--checkpoint_every=5] [--kill_after=7] [--quick]
+  python bench/ray_recovery.py [--steps=16] [--checkpoint_every=5] [--kill_after=11] [--quick]
 
 Tiny GPT-1 on Tiny Shakespeare ($LM_JAX_DATA/tiny_shakespeare), mesh data=2 fsdp=2 tensor=2, one tokenizer shared by
 every run. Runs, on one local Ray cluster (`ray start --head --block`, stopped at the end):
@@ -12,8 +12,8 @@ every run. Runs, on one local Ray cluster (`ray start --head --block`, stopped a
 Checks: ray's losses equal one's (|diff| < 1e-5, the multi-host tolerance of tests/test_multihost.py); killed logged
 steps 1..N once each, resumed from a checkpoint, in a second worker group, with ray's losses, and the steps it ran
 twice (after the checkpoint it resumed from, up to the kill) have bit-identical losses both times.
---quick (tests/test_launch_engines.py) runs only `killed`, on QUICK (1 layer, 2 workers x 2 devices, 6 steps,
-checkpoints every 2, the kill after step 3), and checks all but the comparison with `ray`. Prints the wall times:
+--quick (tests/test_launch_engines.py) runs only `killed`, on QUICK (1 layer, 2 workers x 2 devices, 8 steps,
+checkpoints every 2, the kill after step 5), and checks all but the comparison with `ray`. Prints the wall times:
 Ray's start-up and restart are what the engine costs. Exits 1 when a check fails.
 """
 import argparse
@@ -100,10 +100,10 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--steps", type=int, help="default 16; --quick: 6")
   p.add_argument("--checkpoint_every", type=int, help="default 5; --quick: 2")
-  p.add_argument("--kill_after", type=int, help="kill worker 1 once this step is logged (default 7; --quick: 3)")
+  p.add_argument("--kill_after", type=int, help="kill worker 1 once this step is logged (default 11; --quick: 5)")
   p.add_argument("--quick", action="store_true", help="only the killed run, on the QUICK config")
   args = p.parse_args()
-  for name, full, quick in (("steps", 16, 6), ("checkpoint_every", 5, 2), ("kill_after", 7, 3)):
+  for name, full, quick in (("steps", 16, 8), ("checkpoint_every", 5, 2), ("kill_after", 11, 5)):
     if getattr(args, name) is None:
       setattr(args, name, quick if args.quick else full)
   from lm_jax import config_lib, models
