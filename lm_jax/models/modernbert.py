@@ -25,10 +25,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lm_jax import flops
-from lm_jax.models import attention, blocks, costs, layers, mup
+from lm_jax.models import attention, blocks, costs, layers, mup, relayout
 from lm_jax.models.registry import Family, Tokens
 
 FIELDS = {                        # its own model config fields beyond the shared ones, with HF ModernBertConfig's
@@ -134,8 +133,7 @@ def grouped(cfg, params: dict) -> dict:
   if not inside:
     return params
   g, names = cfg.global_every, group_names(cfg)
-  stack = lambda j: jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]),
-                                 *[params[f"layers_{i}"] for i in inside[j::g]])
+  stack = lambda j: relayout.put_layers([params[f"layers_{i}"] for i in inside[j::g]], scan=True)["layers"]
   outside = {k: v for k, v in params.items() if not (m := layers.LOOPED.fullmatch(k)) or int(m[1]) not in inside}
   return outside | {"layers": {name: stack(j) for j, name in enumerate(names)}}
 
