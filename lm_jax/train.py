@@ -26,12 +26,14 @@ def _init_or_restore(s: Setup, mngr, train_it):
   """(state, start step): the latest checkpoint with its data position, or a fresh state at step 0."""
   restored = checkpoint.restore_latest(mngr, s.abstract_state, s.state_sharding, s.config, with_data=True)
   if restored is None and optim.branches_cooldown(s.config) and not init_from.is_hf(s.config.init_from):
-    source = checkpoint.manager(s.config.init_from, 1, read_only=True)   # WSD: the stable run's state, step, data
     own = s.config.data.tokenizer.startswith(s.config.init_from)   # the one the stable run trained: no data change
     config = config_lib.replaced(s.config, {"data.tokenizer": ""}) if own else s.config
-    restored = optim.check_branch(s.config, checkpoint.restore_latest(source, s.abstract_state, s.state_sharding,
-                                                                      config, with_data=True))
-    source.close()
+    source = checkpoint.manager(s.config.init_from, 1, read_only=True)   # WSD: the stable run's state, step, data
+    try:
+      restored = optim.check_branch(s.config, checkpoint.restore_latest(source, s.abstract_state, s.state_sharding,
+                                                                        config, with_data=True))
+    finally:
+      source.close()
     return restored.state, loop.resume(restored, source.directory, train_it)
   if restored is None:
     state = step.fresh_state(s.policy, s.tx, s.state_sharding)
