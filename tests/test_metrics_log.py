@@ -37,3 +37,21 @@ def test_other_threads_failing_reach_the_hook_before(tmp_path, monkeypatch):
   t.start()
   t.join()
   assert [str(e) for e in seen] == ["not tensorboard's"]
+
+
+def test_tensorboard_starts_without_importing_torch(tmp_path):
+  """tensorboardX's writer imports torch where it is installed (seconds of every run's start); the run's writer
+  loads without it, writes events, and leaves torch importable for code that wants it."""
+  import importlib.util
+  import subprocess
+  import sys
+  if importlib.util.find_spec("torch") is None:
+    import pytest
+    pytest.skip("torch is not installed: nothing to keep out")
+  script = ("import os, sys\nfrom lm_jax.obs import metrics_log\n"
+            f"log = metrics_log.MetricsLog({str(tmp_path)!r}, 0)\nlog.write({{'step': 1, 'loss': 2.0}})\nlog.close()\n"
+            "assert 'torch' not in sys.modules, 'tensorboardX imported torch'\n"
+            f"assert os.listdir({str(tmp_path / 'tensorboard')!r})\n"
+            "import torch\nprint(float(torch.ones(2).sum()))")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "2.0", out.stderr[-2000:]

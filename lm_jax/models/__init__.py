@@ -80,16 +80,24 @@ def init(model_cfg, rng: jax.Array) -> dict:
   return jax.jit(lambda r: nn.meta.unbox(_boxed_init(model_cfg, r)))(rng)
 
 
+@functools.lru_cache(maxsize=32)
+def _boxed_shapes(model_json: str) -> dict:
+  """The boxed param tree as ShapeDtypeStructs. A run asks for shapes and axes several times (setup, layout, checks,
+  the params policy); tracing the model's init once per config saves a trace each time."""
+  cfg = ml_collections.ConfigDict(json.loads(model_json))
+  return jax.eval_shape(lambda: _boxed_init(cfg, jax.random.PRNGKey(0)))
+
+
 def abstract_params(model_cfg) -> dict:
   """Param shapes and dtypes as ShapeDtypeStructs, allocating nothing."""
   validate(model_cfg)
-  return jax.eval_shape(lambda: nn.meta.unbox(_boxed_init(model_cfg, jax.random.PRNGKey(0))))
+  return jax.eval_shape(nn.meta.unbox, _boxed_shapes(model_cfg.to_json()))   # traced: unbox may constrain sharding
 
 
 def logical_axes(model_cfg) -> dict:
   """PartitionSpecs of logical axis names, same tree structure as the params."""
   validate(model_cfg)
-  return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(model_cfg, jax.random.PRNGKey(0))))
+  return nn.get_partition_spec(_boxed_shapes(model_cfg.to_json()))
 
 
 @functools.lru_cache(maxsize=16)

@@ -40,6 +40,20 @@ def warn(message: str, remote: bool = False):
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+
+def _summary_writer():
+  """tensorboardX's SummaryWriter class. Its module imports torch when torch is installed, only to accept torch
+  tensors (1.5-3 s of every run's start; lm_jax logs floats), so torch reads as absent while it loads."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None   # `import torch` raises ImportError, which tensorboardX catches
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
 class _QuietLibraries(logging.Filter):
   """Drops orbax's and jax's INFO lines (dozens per checkpoint) so the console shows the training log, and
   orbax's errors: each comes with an exception that lm_jax.checkpoint reports in one line (a failed save
@@ -146,8 +160,7 @@ class MetricsLog:
         self._rewrite()
     if tensorboard:
       with self._observer("tb", "TensorBoard"):
-        from tensorboardX import SummaryWriter
-        self.tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
+        self.tb = _summary_writer()(str(epath.Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
         self._catch_writer_thread()
     if config is not None and config.wandb.project:
       with self._observer("wandb", "W&B"):
