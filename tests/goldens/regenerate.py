@@ -9,7 +9,7 @@ writes tests/goldens/{1_device,8_devices,compile_memory}.json with the reason, d
 compile_memory.json only where LM_JAX_AOT_PYTHON names the --mode=compile interpreter (tests/test_aot.py), else
 it is kept as it is.
 
-The runs train in two subprocesses side by side (WORKERS; `--measure=I` prints one's JSON), XLA's
+The runs train in three subprocesses side by side (WORKERS; `--measure=I` prints one's JSON), XLA's
 CPU flags below compile a tiny step in about a second (numbers differ from the default flags' in the last digits;
 golden and test use the same), --xla_cpu_max_isa keeps the code the same on CPUs with wider vectors, and
 single-threaded Eigen spends no CPU time waiting on 8 simulated devices.
@@ -53,6 +53,11 @@ RUNS = {   # name: (config, overrides)
                                              "ppo.prompts": "$TOY/prompts.txt", "ppo.prompt_len": 8,
                                              "ppo.max_new_tokens": 8, "ppo.epochs": 1}),
     "gpt2_clm": ("configs/gpt2.py:tiny", {**PRETRAIN, "model.max_positions": 64}),
+    "llama_clm": ("configs/llama.py:tiny", {**PRETRAIN, "model.num_heads": 4, "model.num_kv_heads": 2}),
+    "qwen3_clm": ("configs/qwen3.py:tiny", {**PRETRAIN, "model.num_heads": 4, "model.num_kv_heads": 2,
+                                            "model.head_dim": 16}),
+    "modernbert_mlm": ("configs/modernbert.py:tiny", {**PRETRAIN, "model.num_layers": 2, "model.sliding_window": 8,
+                                                      "data.max_predictions_per_seq": 10}),
     "nanogpt_clm": ("configs/nanogpt.py:shakespeare_char_cpu", {"data.files": "$TOY/shakespeare.txt",
                                                                 "data.eval_batches": 2, "model.max_positions": 32}),
     "t5_span_corruption": ("configs/t5.py:tiny", {**PRETRAIN, "model.vocab_size": 384, "model.head_dim": 16}),
@@ -64,10 +69,14 @@ METRIC = {"ppo": "policy_loss"}   # an objective whose records name their loss o
 # group (a golden file): its mesh. The 8-device mesh runs one model of each layout (encoder, decoder,
 # encoder-decoder): all runs on it do not fit test_goldens' minute on 2 cores.
 MESHES = {"1_device": {}, "8_devices": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
-# The runs of each subprocess (group, run), as long as can be on 2 cores; gpt_classify shares its clm run's.
-WORKERS = [[("1_device", name) for name in RUNS if not name.startswith(("t5", "nanogpt"))],
+# The runs of each subprocess (group, run), balanced by CPU time on 2 cores (about 25 s each, the first run of each
+# also paying ~4 s of imports); gpt_classify shares its clm run's worker.
+WORKERS = [[("1_device", name) for name in ("bert_mlm", "bert_classify", "gpt_clm", "gpt_gpt_classify", "gpt_sft",
+                                            "gpt_reward", "gpt_dpo", "nanogpt_clm")],
            [("8_devices", "bert_mlm"), ("8_devices", "gpt_clm"), ("8_devices", "t5_span_corruption"),
-            ("1_device", "t5_span_corruption"), ("1_device", "t5_text_to_text"), ("1_device", "nanogpt_clm")]]
+            ("1_device", "gpt2_clm"), ("1_device", "qwen3_clm")],
+           [("1_device", name) for name in ("gpt_ppo", "t5_span_corruption", "t5_text_to_text", "llama_clm",
+                                            "modernbert_mlm")]]
 # --mode=compile's memory per device: the configs' tiny models (d_model 128: test_aot.py says why) on two topologies,
 # two of the compiles tests/test_aot.py makes (it compares them with the golden: the test compiles nothing twice).
 COMPILE = ["model.num_layers=1", "data.seq_len=32", "data.max_predictions_per_seq=5", "batch_size=16", "eval_every=0"]
