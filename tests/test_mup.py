@@ -1,6 +1,6 @@
 """µP (model.mup_base_width, lm_jax/models/mup.py) against the `mup` package (microsoft/mup: set_base_shapes,
-mup.init, MuReadout, MuAdam) on the same GPT-2 shapes; base width = width is the standard model exactly; the
-coordinate check; bad input."""
+mup.init, MuReadout, MuAdam) on the same GPT-2 and ModernBERT shapes; base width = width is the standard model
+exactly; the coordinate checks; bad input."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,40 +47,77 @@ def _torch_gpt2(width):
   return GPT2()
 
 
+def _torch_modernbert(width):
+  """ModernBERT's layout (GeGLU wi_0 / wi_1 of d_ff = 2 x width, no biases, the head's dense + LN, the tied decoder
+  with its bias) in torch with mup's readout, named like our params."""
+  torch = pytest.importorskip("torch")
+  nn, mup_pkg = torch.nn, pytest.importorskip("mup")
+  linear = lambda i, o: nn.Linear(i, o, bias=False)
+  norm = lambda: nn.LayerNorm(width, bias=False)
+
+  class Block(nn.Module):
+    def __init__(self, first):
+      super().__init__()
+      if not first:
+        self.attention_ln = norm()
+      self.mlp_ln = norm()
+      self.query, self.key, self.value, self.out = (linear(width, width) for _ in range(4))
+      self.wi_0, self.wi_1, self.wo = linear(width, 2 * width), linear(width, 2 * width), linear(2 * width, width)
+
+  class Head(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.dense, self.ln = linear(width, width), norm()
+
+  class ModernBert(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.word_embeddings, self.embeddings_ln = nn.Embedding(VOCAB, width), norm()
+      self.layers_0, self.layers_1 = Block(True), Block(False)
+      self.final_ln, self.head = norm(), Head()
+      self.readout = mup_pkg.MuSharedReadout(self.word_embeddings.weight, bias=False)
+      self.decoder = nn.Parameter(torch.zeros(VOCAB))   # the logits' bias
+
+  return ModernBert()
+
+
 OURS = {"weight": "kernel", "bias": "bias"}
 
 
 def _our_name(torch_name: str) -> str:
   """layers_0.query.weight -> layers_0/attention/query/kernel, the LayerNorms' weight -> scale."""
+  if torch_name == "decoder":
+    return torch_name
   parts = torch_name.split(".")
   *path, leaf = parts
   if path[-1] in ("query", "key", "value", "out"):
     path.insert(-1, "attention")
-  elif path[-1] in ("wi", "wo"):
+  elif path[-1] in ("wi", "wi_0", "wi_1", "wo"):
     path.insert(-1, "mlp")
-  if path[-1].endswith("_ln"):
+  if path[-1].endswith("_ln") or path[-1] == "ln":
     return "/".join(path + [{"weight": "scale", "bias": "bias"}[leaf]])
   if path[-1].endswith("embeddings"):
     return "/".join(path + ["embedding"])
   return "/".join(path + [OURS[leaf]])
 
 
-@pytest.fixture(scope="module")
-def torch_mup():
-  """The mup package's µP for the width-256 model on the width-64 base: per-param init factor (mup.init.normal_'s
-  std at std 1), Adam lr factor (MuAdam's groups at lr 1), readout multiplier."""
+def _mup_reference(make):
+  """The mup package's µP for the width-256 model make(256) on the width-64 base: per-param init factor
+  (mup.init.normal_'s draws over torch's at std 1), Adam lr factor (MuAdam's groups at lr 1), readout multiplier."""
   torch = pytest.importorskip("torch")
   mup_pkg = pytest.importorskip("mup")
   torch.manual_seed(0)
-  model = _torch_gpt2(WIDTH)
-  mup_pkg.set_base_shapes(model, _torch_gpt2(BASE), rescale_params=False)
+  model = make(WIDTH)
+  mup_pkg.set_base_shapes(model, make(BASE), rescale_params=False)
   named = dict(model.named_parameters())
   init = {}
   for name, p in named.items():
-    big = torch.empty(p.shape)
-    big.infshape = p.infshape
-    mup_pkg.init.normal_(big, std=1.0)
-    init[name] = float(big.std())
+    drawn = torch.empty(p.shape)
+    drawn.infshape = p.infshape
+    torch.manual_seed(1)
+    mup_pkg.init.normal_(drawn, std=1.0)
+    torch.manual_seed(1)
+    init[name] = float((drawn / torch.empty(p.shape).normal_()).mean())   # the same draws: the factor exactly
   groups = mup_pkg.MuAdam(model.parameters(), lr=1.0).param_groups
   lr = {name: next(g["lr"] for g in groups if any(q is p for q in g["params"])) for name, p in named.items()}
   x = torch.randn(3, WIDTH)
@@ -88,20 +125,34 @@ def torch_mup():
   return init, lr, readout
 
 
-def test_init_and_lr_factors_equal_the_mup_package(torch_mup):
+@pytest.fixture(scope="module")
+def torch_mup():
+  return _mup_reference(_torch_gpt2)
+
+
+def _assert_factors_equal(cfg, torch_mup):
   init, lr, readout = torch_mup
-  cfg = _config(d_model=WIDTH, d_ff=4 * WIDTH, mup_base_width=BASE)
   axes = _flat(models.logical_axes(cfg.model))
   ours_init, ours_lr = _flat(mup.init_scales(cfg.model, axes)), _flat(mup.lr_scales(cfg.model, axes))
   assert set(map(_our_name, lr)) == set(axes)   # every param compared, none left out
   for name in lr:
     ours = _our_name(name)
     assert ours_lr[ours] == pytest.approx(lr[name], rel=1e-6), name
-    # a sampled std: 1/2 (matrix-like at m = 4) or 1, to the sampling error of >= 256 draws
-    assert ours_init[ours] == pytest.approx(init[name], rel=0.1), name
+    assert ours_init[ours] == pytest.approx(init[name], rel=1e-5), name
   assert {round(v, 6) for v in ours_lr.values()} == {0.25, 1.0}   # the test sees both kinds
   x = jnp.ones((1, WIDTH))
   assert float(mup.readout(cfg.model, x)[0, 0]) == pytest.approx(readout, rel=1e-6)
+
+
+def test_init_and_lr_factors_equal_the_mup_package(torch_mup):
+  _assert_factors_equal(_config(d_model=WIDTH, d_ff=4 * WIDTH, mup_base_width=BASE), torch_mup)
+
+
+def test_modernbert_factors_equal_the_mup_package():
+  """GeGLU's wi_0, wi_1 (d_model -> d_ff) and wo, and the head's dense, are hidden matrices as in mup; the norms,
+  embeddings and the decoder bias are not."""
+  cfg = _config("configs/modernbert.py:tiny", d_model=WIDTH, d_ff=2 * WIDTH, mup_base_width=BASE)
+  _assert_factors_equal(cfg, _mup_reference(_torch_modernbert))
 
 
 def test_init_applies_the_factors():
@@ -157,6 +208,24 @@ def test_coord_check_under_mup_flat_under_sp_growing():
     assert 0.5 <= wide / narrow <= 2, (name, narrow, wide)
   sp = results["sp"]["layers"]["logits"]
   assert sp[1] / sp[0] >= 2, sp
+
+
+def test_modernbert_coord_check_flat_with_adam_eps_scaled_like_the_gradients():
+  """ModernBERT's µP gradients shrink as 1/m, down to the size of its recipe's Adam eps (1e-6) at width 256, which
+  then damps the GeGLU MLP's updates (docs/mup.md); with eps / m as well every layer stays within 2x."""
+  config = _config("configs/modernbert.py:tiny", num_layers=1)
+  tokens = coord_check.batch(config.model, 2, 32, 0)
+
+  def record(width, eps):
+    run = config.copy_and_resolve_references()
+    run.optimizer.eps = eps
+    return coord_check.record(run, coord_check.widen(config.model, width, 64), tokens, steps=3, lr=3e-3)
+
+  narrow, wide, wide_scaled = record(64, 1e-6), record(256, 1e-6), record(256, 1e-6 / 4)
+  for name in narrow:
+    assert 0.5 <= wide_scaled[name] / narrow[name] <= 2, (name, narrow[name], wide_scaled[name])
+  mlp = "layers_0/mlp"
+  assert wide_scaled[mlp] / narrow[mlp] >= wide[mlp] / narrow[mlp] + 0.1, (narrow[mlp], wide[mlp], wide_scaled[mlp])
 
 
 @pytest.mark.parametrize("field, value, message", [
