@@ -209,14 +209,14 @@ def split_step(sh: dict, n: int, steps: int, data: str) -> dict:
     held = [state]
 
     def one():
-      held[0], metrics = train_step(held[0], sharding.global_batch(host_batch, batch_sh))
+      held[0], metrics = train_step(held[0], host_batch)   # numpy rows, as lm_jax.train passes them
       return metrics
     full = _ms(one, n)
     bare, calls = [], []
     start = time.perf_counter()
     for _ in range(steps):   # the run's steps, each on a fresh batch: what our loop adds is ours - bare
       t = time.thread_time()
-      held[0], metrics = train_step(held[0], sharding.global_batch(next(it), batch_sh))
+      held[0], metrics = train_step(held[0], next(it))
       calls.append(1000 * (time.thread_time() - t))
       bare.append(metrics)
     jax.block_until_ready((held, bare))
