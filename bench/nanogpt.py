@@ -21,8 +21,11 @@ cores (and sets OMP_NUM_THREADS). The load average is printed before and after e
 back to back for each, --steps steps each, and then splits our step in this process (ms per step, the best of
 3 repeats): `fb`, a minimal jax.jit of the model's forward and backward (value_and_grad of the loss, no optimizer);
 `opt`, the same jit with clipping and AdamW applied; `step`, lm_jax's compiled train step (grad norm, lr and loss
-metrics, donated state) fed each step from the numpy batch as the loop does; `loop`, the run's own step time
-(data, dispatch, the loop's host work). The differences are what the optimizer, the metrics and the host each cost.
+metrics, donated state) fed each step from the numpy batch as the loop does; `bare`, that step in a minimal Python
+loop of --steps steps on fresh batches of the run's iterator, right after our run (one window, no logs); `disp`, the
+host CPU time of one step call with its batch (not its wall time: with 32 steps queued, XLA:CPU's limit of
+computations in flight, a call waits for a slot); `host`, the run's step less `bare`, what our loop adds. The
+differences are what the optimizer, the metrics and the loop each cost.
 `matmul %`: the step's matmul FLOPs at XLA:CPU's rate for a jitted (B*T, D) x (D, 4D) product measured in the
 same run, as a share of our step.
 """
@@ -168,8 +171,9 @@ def train_ours(sh: dict, args) -> float:
     return ours_result(workdir, sh["batch_size"] * sh["block_size"])["ms_step"]
 
 
-def split_step(sh: dict, n: int, data: str) -> dict:
-  """Our step in parts (ms per step): fb, opt, step and dispatch (the host time of one call), the matmul rate."""
+def split_step(sh: dict, n: int, steps: int, data: str) -> dict:
+  """Our step in parts (ms per step): fb, opt, step, bare (a minimal loop of `steps` steps) and dispatch (the host
+  CPU time of one step call with its batch), the matmul rate."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -205,18 +209,20 @@ def split_step(sh: dict, n: int, data: str) -> dict:
     held = [state]
 
     def one():
-      held[0], metrics = train_step(held[0], sharding.global_batch(host_batch, batch_sh))
+      held[0], metrics = train_step(held[0], host_batch)   # numpy rows, as lm_jax.train passes them
       return metrics
     full = _ms(one, n)
-    jax.block_until_ready(held)
-    calls = []
-    for _ in range(n):
-      t = time.perf_counter()
-      one()
-      calls.append(1000 * (time.perf_counter() - t))
-    jax.block_until_ready(held)
-  return {"fb": fb, "opt": opt, "step": full, "dispatch": statistics.median(calls), "matmul_tflops": matmul_rate / 1e12,
-          "flops": config.batch_size * s.objective.flops_per_example(config)}
+    bare, calls = [], []
+    start = time.perf_counter()
+    for _ in range(steps):   # the run's steps, each on a fresh batch: what our loop adds is ours - bare
+      t = time.thread_time()
+      held[0], metrics = train_step(held[0], next(it))
+      calls.append(1000 * (time.thread_time() - t))
+      bare.append(metrics)
+    jax.block_until_ready((held, bare))
+    bare = 1000 * (time.perf_counter() - start) / steps
+  return {"fb": fb, "opt": opt, "step": full, "bare": bare, "dispatch": statistics.median(calls),
+          "matmul_tflops": matmul_rate / 1e12, "flops": config.batch_size * s.objective.flops_per_example(config)}
 
 
 def grid(args):
@@ -235,7 +241,7 @@ def grid(args):
         _, out = run(grid_nanogpt_command(sh, args.steps) + [f"--out_dir={out_dir}"], args.nanogpt, args)
       row["nanogpt"] = nanogpt_result(out)["ms_step"]
     row["ours"] = train_ours(sh, args)
-    row.update(split_step(sh, max(args.steps // 10, 5), args.data))
+    row.update(split_step(sh, max(args.steps // 10, 5), args.steps, args.data))
     row["load"].append(os.getloadavg()[0])
     rows.append(row)
     print(grid_line(row), flush=True)
@@ -244,7 +250,7 @@ def grid(args):
 
 
 HEADER = (f"{'L x D, heads':>13} {'T x B':>8} {'nanoGPT':>8} {'lm_jax':>7} {'ratio':>6} {'matmul %':>8} {'fb':>6} "
-          f"{'opt':>6} {'step':>6} {'disp':>5} {'host':>5}  load")
+          f"{'opt':>6} {'step':>6} {'bare':>6} {'disp':>5} {'host':>5}  load")
 
 
 def grid_line(r: dict) -> str:
@@ -252,15 +258,15 @@ def grid_line(r: dict) -> str:
   nano = f"{r['nanogpt']:8.1f}" if "nanogpt" in r else f"{'-':>8}"
   floor = 100 * r["flops"] / (r["matmul_tflops"] * 1e12) * 1000 / r["ours"]
   return (f"{r['n_layer']:>4} x {r['n_embd']:3}, {r['n_head']} {r['block_size']:>4} x {r['batch_size']:<3} {nano} "
-          f"{r['ours']:7.1f} {ratio} {floor:7.0f}% {r['fb']:6.1f} {r['opt']:6.1f} {r['step']:6.1f} "
-          f"{r['dispatch']:5.2f} {r['ours'] - r['step']:5.1f}  {r['load'][0]:.2f}-{r['load'][1]:.2f}")
+          f"{r['ours']:7.1f} {ratio} {floor:7.0f}% {r['fb']:6.1f} {r['opt']:6.1f} {r['step']:6.1f} {r['bare']:6.1f} "
+          f"{r['dispatch']:5.2f} {r['ours'] - r['bare']:5.1f}  {r['load'][0]:.2f}-{r['load'][1]:.2f}")
 
 
 def print_grid(rows: list[dict]):
   print("ms per step (nanoGPT: median 'time' of its iterations; lm_jax: median log window). ratio = nanoGPT / lm_jax "
         "(> 1: ours faster). fb / opt / step: a minimal jit of forward+backward / + clip and AdamW / our train step "
-        "with metrics fed from numpy (best of 3); disp: host ms of one step call; host: lm_jax - step, the run's data "
-        "and loop work")
+        "with metrics fed from numpy (best of 3); bare: our step in a minimal loop of the run's steps, fresh batches; "
+        "disp: host CPU ms of one step call with its batch; host: lm_jax - bare, what our loop adds")
   print(HEADER)
   for r in rows:
     print(grid_line(r))

@@ -77,7 +77,10 @@ def _loop(s: Setup, state, start: int, run: loop.Session, train_it) -> tuple[dic
       tokens_per_step=c.batch_size * s.objective.tokens_per_example(c),
       best=checkpoint.Best(str(mngr.directory.parent), c) if evaluator and c.finetune.best_metric else None)
   batches = ledger.waited(train_it)   # the time in next() is the data wait
-  train_one = lambda state, i: train_step(state, sharding.global_batch(next(batches), batch_sh))
+  if jax.process_count() == 1:   # the compiled step places the numpy rows by its own input sharding: a third of
+    train_one = lambda state, i: train_step(state, next(batches))   # device_put's host time (bench/README.md)
+  else:
+    train_one = lambda state, i: train_step(state, sharding.global_batch(next(batches), batch_sh))
   return loop.run(schedules, train_one, state, start, c.phase_end_step or c.total_steps)
 
 

@@ -1,9 +1,11 @@
-"""The loop's schedules: the steps queued on the device before an eval are timed as steps, not as the eval's pause;
-each record's time split and the goodput line; profile traces of chosen steps."""
+"""The loop's schedules: no step waits for the device between logs; the steps queued on the device before an eval
+are timed as steps, not as the eval's pause; each record's time split and the goodput line; profile traces of chosen
+steps."""
 import collections
 import contextlib
 import io
 import re
+import threading
 import time
 
 import jax
@@ -57,25 +59,65 @@ class _SlowBatches:
     return next(self.it)
 
 
+def _count_waits(patch) -> set:
+  """Every way the main thread can wait for the device (jax.device_get, jax.block_until_ready, an array's own
+  block_until_ready, reading its value: float(), np.asarray, .item()) adds the number of train steps dispatched so
+  far to the set returned."""
+  from jax._src import array
+  dispatched, waits = [0], set()
+
+  def counted(fn):
+    def wrapper(*args, **kwargs):
+      if threading.current_thread() is threading.main_thread():
+        waits.add(dispatched[0])
+      return fn(*args, **kwargs)
+    return wrapper
+
+  def counting_step(s, compile_train_step=train.compile_train_step):
+    step = compile_train_step(s)
+
+    def one(*args):
+      dispatched[0] += 1
+      return step(*args)
+    return one
+  patch.setattr(train, "compile_train_step", counting_step)
+  for name in ("device_get", "block_until_ready"):
+    patch.setattr(jax, name, counted(getattr(jax, name)))
+  patch.setattr(array.ArrayImpl, "block_until_ready", counted(array.ArrayImpl.block_until_ready))
+  patch.setattr(array.ArrayImpl, "_value", property(counted(array.ArrayImpl._value.fget)))
+  return waits
+
+
 @pytest.fixture(scope="module")
 def slow_run(shared_data, tmp_path_factory):
-  """(workdir, console output) of 12 tiny steps on a slow data source, logging every 6, evaluating and saving at 6
-  and 12, with steps 3-4 profiled (with the host's Python calls)."""
+  """(workdir, console output, the steps at which the host waited for the device) of 12 tiny steps on a slow data
+  source, logging every 6, evaluating and saving at 6 and 12, with steps 3-4 profiled (with the host's Python
+  calls)."""
   workdir = tmp_path_factory.mktemp("slow")
   config = load_config("clm", shared_data, total_steps=12, log_every=6, eval_every=6, checkpoint_every=6,
                        **{"profile.steps": (3, 2), "profile.host": True})
   make = pipeline.make_train_iterator
   with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as out:
     patch.setattr(pipeline, "make_train_iterator", lambda *a, **k: _SlowBatches(make(*a, **k)))
+    waits = _count_waits(patch)
     train.train(config, str(workdir))
-  return workdir, out.getvalue()
+  return workdir, out.getvalue(), waits
+
+
+def test_steps_between_logs_never_wait_for_the_device(slow_run):
+  """The main thread waits for the device only at step 1 and the log, eval and save steps 6 and 12 (and at 4, the
+  end of the profiled range, whose device work the trace must hold). A wait at any other step (a metric read, a
+  sync in the step call, the data or the loop) would keep the device from running steps ahead: each step would
+  pay a host round trip."""
+  *_, waits = slow_run
+  assert waits - {0} == {1, 4, 6, 12}, sorted(waits)   # 0: before the first step (init, restore)
 
 
 def test_the_time_split_shows_the_data_wait(slow_run):
   """Each train record splits its window: steps 7-12 waited 6 x SLEEP for data (the time in next()), and their
   window also holds step 6's eval (with the eval step's compilation) and save; the console line shows the shares, and
   the run ends with the goodput line."""
-  workdir, out = slow_run
+  workdir, out, _ = slow_run
   recs = {r["step"]: r for r in records(workdir)}
   assert sorted(recs) == [1, 6, 12]
   last = recs[12]
@@ -99,7 +141,7 @@ def test_a_profiled_run_leaves_a_trace_of_its_steps(slow_run):
   .xplane.pb (read here with jaxlib's reader of the same proto) holds the train step's XLA ops, the step markers of
   steps 3 and 4 only, the data waits and (config.profile.host) the input pipeline's Python calls; Perfetto's trace
   lies beside it."""
-  workdir, _ = slow_run
+  workdir, *_ = slow_run
   session = workdir / "profile" / "plugins" / "profile" / "steps_3-4"
   xplanes = list(session.glob("*.xplane.pb"))
   assert len(xplanes) == 1 and (session / "perfetto_trace.json.gz").is_file(), list(session.iterdir())
