@@ -10,9 +10,10 @@ Variants (shapes from the released config.json of each model on the Hugging Face
 The optimizer is Llama's (paper §2.2: AdamW b1 0.9, b2 0.95, weight decay 0.1, clip 1.0, 2000 warmup steps,
 cosine to 10% of the peak); SmolLM's own learning rate, batch and steps are not in its config: set them for your
 data (lr 3e-4 here is Llama-7B's).
---mode=compile for v5e-8: the train step fits (scanned, remat full, 16 microbatches, fsdp 8: 4.0 GiB per device);
-the eval step runs batch_size rows at once, and 64 rows of 2048 float32 logits over 49,152 tokens per device are
-24 GiB alone: compile it with --config.eval_every=0 (or evaluate in a run on more devices).
+--mode=compile --plan for v5e-8 chooses mesh data 8, 16 microbatches (4 rows per device), remat minimal, scanned:
+train step 11.29 GiB per device compiled (lm_jax.plan.memory's estimate 12.34), eval step (the same
+microbatches) 2.34 GiB, 1.291e15 FLOPs per step, 2.05 s at MFU 40%. Without remat no microbatching fits: 2 rows
+need 20.83 GiB. (Remat full, 16 microbatches, fsdp 8: 4.0 GiB, a third more compute.)
 """
 from lm_jax import defaults
 

@@ -162,7 +162,7 @@ def pretrained_params(config, mesh, rules) -> dict:
 
 # ---------------------------------------------------------------------------------------------- initial params
 def _reinit_top(params: dict, fresh: dict, k: int) -> dict:
-  """params with the top k layers of every layer stack taken from `fresh`."""
+  """Looped params with the top k layers of every layer stack taken from `fresh`."""
   if not k or not isinstance(params, dict):
     return params
   out = {}
@@ -171,11 +171,19 @@ def _reinit_top(params: dict, fresh: dict, k: int) -> dict:
     m = layers.LOOPED.fullmatch(key)
     if m:
       out[key] = fresh[key] if int(m.group(1)) >= looped - k else value
-    elif key == "layers":
-      out[key] = jax.tree.map(lambda p, f: np.concatenate([np.asarray(p)[:-k], np.asarray(f)[-k:]]), value, fresh[key])
     else:
       out[key] = _reinit_top(value, fresh[key], k)
   return out
+
+
+def reinit_top(model_cfg, params: dict, fresh: dict, k: int) -> dict:
+  """params with the top k layers of every layer stack taken from `fresh`; scanned stacks (on the host) through
+  their looped layers, whichever way the family lays them out (Family.relaid)."""
+  if not k or not model_cfg.scan_layers:
+    return _reinit_top(params, fresh, k)
+  relaid = models.family(model_cfg).relaid
+  looped = _reinit_top(relaid(model_cfg, params, scan=False), relaid(model_cfg, fresh, scan=False), k)
+  return relaid(model_cfg, looped, scan=True)
 
 
 def _extends(old, new) -> bool:
@@ -200,7 +208,7 @@ def initial_params(config, fresh: dict, pretrained: dict) -> tuple[dict, str]:
   params_lib.check_fresh(config, set(new) - taken - grown)
   params = traverse_util.unflatten_dict({p: start(p, leaf) for p, leaf in new.items()})
   top = config.finetune.reinit_top_layers
-  params = _reinit_top(params, fresh, top)
+  params = reinit_top(config.model, params, fresh, top)
   names = lambda paths: ", ".join(sorted({p[0] for p in paths})) or "none"
   report = (f"init_from {config.init_from}: {len(taken)} of {len(new)} parameter tensors pre-trained; "
             + "".join(f"{'/'.join(p)}: {len(old[p])} pre-trained rows + {len(new[p]) - len(old[p])} fresh; "

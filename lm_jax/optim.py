@@ -159,17 +159,20 @@ def adam(lr, b1: float, b2: float, eps: float, weight_decay: float, decay_mask, 
   return optax.GradientTransformation(init, update)
 
 
-def layer_lr_scales(logical_axes, num_layers: int, decay: float):
+def layer_lr_scales(logical_axes, model_cfg, decay: float):
   """Per-parameter lr factors of layer-wise lr decay (ELECTRA, Clark et al. 2020 App. A): decay^(L + 1 - depth)
   with depth 0 for the embeddings, i + 1 for layer i and L + 1 (factor 1) above (pooler, heads); a scanned stack
-  gets one factor per layer along its leading axis."""
+  gets one factor per layer along its leading axis (params.stacked_layers: the layers its family puts there)."""
+  num_layers = model_cfg.num_layers
+
   def scale(path, spec):
     top = path[0].key
     looped = layers.LOOPED.fullmatch(top)
     if looped:
       return np.float32(decay ** (num_layers - int(looped.group(1))))
     if top == "layers":
-      return (decay ** (num_layers - np.arange(num_layers, dtype=np.float32))).reshape((-1,) + (1,) * (len(spec) - 1))
+      depth = params_lib.stacked_layers(model_cfg, [p.key for p in path]).astype(np.float32)
+      return (decay ** (num_layers - depth)).reshape((-1,) + (1,) * (len(spec) - 1))
     return np.float32(decay ** (num_layers + 1) if "embed" in top else 1.0)
   return jax.tree_util.tree_map_with_path(scale, logical_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -217,7 +220,7 @@ def make(policy, logical_axes):
   if opt.clip_norm and opt.name not in ADAM_FAMILY:
     tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm), tx)
   if policy.layer_decay != 1.0:
-    tx = optax.chain(tx, scale_updates(layer_lr_scales(logical_axes, config.model.num_layers, policy.layer_decay)))
+    tx = optax.chain(tx, scale_updates(layer_lr_scales(logical_axes, config.model, policy.layer_decay)))
   return tx, lr
 
 

@@ -24,6 +24,7 @@ import math
 import re
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from lm_jax import defaults, models
@@ -220,6 +221,15 @@ def _layer_decay(config) -> float:
   return float(group.get("layer_decay", 1.0)) if group is not None else 1.0
 
 
+def stacked_layers(model_cfg, path) -> np.ndarray:
+  """The looped layer indices that a scanned stack's param at `path` (run-layout keys from 'layers') holds, in the
+  order of its leading axis (Family.place_layer)."""
+  place_layer, keys = models.family(model_cfg).place_layer, tuple(path)
+  placed = [(where[1], i) for i in range(model_cfg.num_layers)
+            if (where := place_layer(model_cfg, i)) and keys[:len(where[0])] == where[0]]
+  return np.array([i for _, i in sorted(placed)])
+
+
 def _frozen_looped(config, patterns) -> dict:
   """{looped path string: frozen?} of every parameter of config.model."""
   return {p: any(re.search(rx, p) for rx in patterns) for p in models.looped_params(config.model)[0]}
@@ -288,7 +298,7 @@ def _trainable_mask(p: Policy) -> dict | None:
     return None
   mask = {}
   for path, is_frozen in _frozen_looped(config, patterns).items():
-    keys = ["layers" if config.model.scan_layers and layers.LOOPED.fullmatch(k) else k for k in path.split("/")]
+    keys = targets.run_path(config, path)
     node = mask
     for k in keys[:-1]:
       node = node.setdefault(k, {})

@@ -86,16 +86,33 @@ def make_train_step(policy, objective, tx, lr_schedule, state_sharding, mesh):
 def make_eval_step(policy, objective, params_sharding, mesh):
   """Jitted (params, batch) -> (metrics of that batch (loss, token_loss, accuracies), its denominators,
   per-example outputs of objective.predict ({} without)), no dropout; lm_jax.evals.evaluate turns them into
-  corpus-level totals. policy: the run's params.Policy (a config is resolved)."""
+  corpus-level totals. policy: the run's params.Policy (a config is resolved). Over config.microbatches
+  microbatches as the train step, one at a time: the metrics are their sums (each divided by the whole batch's
+  denominators), the outputs back in the batch's row order, so only one microbatch's activations are live."""
   policy = params_lib.resolve(policy)
   config = policy.config
+  n = config.microbatches
 
-  def step(params, batch):
-    den = objective.denominators(batch)
+  def one(params, batch, den):
     with params_lib.running(policy, train=False):   # as in training: an adapter DPO run's reference is its base
       _, metrics = objective.loss(config, params, batch, den, rng=None, train=False)
       outputs = objective.predict(config, params, batch) if objective.predict else {}
-    return (*jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), (metrics, den)), outputs)
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), metrics), outputs
+
+  def step(params, batch):
+    den = objective.denominators(batch)
+    if n == 1:
+      metrics, outputs = one(params, batch, den)
+    else:
+      def body(acc, mb):
+        metrics, outputs = one(params, mb, den)
+        return jax.tree.map(jnp.add, acc, metrics), outputs
+      mbs = _split(batch, n, mesh)
+      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                           jax.eval_shape(one, params, jax.tree.map(lambda x: x[0], mbs), den)[0])
+      metrics, outputs = jax.lax.scan(body, zeros, mbs)
+      outputs = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), outputs)   # _split's inverse
+    return metrics, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), den), outputs
 
   return jax.jit(step, in_shardings=(params_sharding, sharding.batch_sharding(mesh)),
                  out_shardings=NamedSharding(mesh, P()))

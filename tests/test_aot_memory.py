@@ -1,8 +1,10 @@
 """The trainer's start-up memory line (issue 23 part 3): the compiled train step's per-device memory, as
-compiled.memory_analysis() gives it, next to lm_jax.plan.memory's estimate; the step is compiled once and trains."""
+compiled.memory_analysis() gives it, next to lm_jax.plan.memory's estimate; the step is compiled once and trains.
+A scanned Llama layer's activation estimate against what autodiff saves from its scan."""
 import re
 
 import jax
+import pytest
 
 from conftest import load_config
 from lm_jax import setup as setup_lib, step, train
@@ -38,3 +40,32 @@ def test_device_memory_in_log_records_where_the_device_reports_it():
 
   assert memory.device_stats(Accelerator()) == {"device_memory_gib": 3.0, "device_memory_peak_gib": 5.0}
   assert memory.device_stats(jax.devices("cpu")[0]) == {}   # the CPU reports none: no fields
+
+
+def _scan_residuals(config) -> float:
+  """Bytes per token per layer of the activations that autodiff saves from a scanned layer stack: the outputs of
+  the forward scan with a leading layer axis, less the weights (no batch axis)."""
+  from lm_jax import models, objectives
+  m, rows, seq = config.model, config.batch_size, config.data.seq_len
+  objective = objectives.get(config.objective)
+  batch = {k: jax.ShapeDtypeStruct((rows, *shape), dtype) for k, (shape, dtype) in objective.features(config).items()}
+  loss = lambda p, b: objective.loss(config, p, b, objective.denominators(b), rng=jax.random.key(0), train=True)[0]
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(models.abstract_params(m), batch)
+  scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] == m.num_layers]
+  outs = [v.aval for v in scans[0].outvars]
+  kept = [a for a in outs if len(a.shape) > 2 and a.shape[0] == m.num_layers and a.shape[1] in (rows, rows * seq)]
+  return sum(a.size * a.dtype.itemsize for a in kept) / (m.num_layers * rows * seq)
+
+
+@pytest.mark.parametrize("fields", [{}, {"model.num_kv_heads": 0, "model.dtype": "bfloat16"}])
+def test_scanned_llama_layer_estimate_is_what_its_scan_saves(fields):
+  """Family.activation_bytes of a scanned Llama layer (costs.stack + costs.scanned_extra) against the residuals
+  jax.grad keeps from the scan, GQA in float32 and multi-head attention in bfloat16, within 5%."""
+  from lm_jax import config_lib
+  from lm_jax.models import costs
+  config = config_lib.load("configs/llama.py:tiny", {"model.scan_layers": True, "model.remat_policy": "none",
+                                                     "data.seq_len": 40, "batch_size": 2, **fields})
+  m, div = config.model, {"heads": 1, "mlp": 1, "vocab": 1}   # 2 x 40 = 80 tokens: no weight has a dim of 80
+  ours = costs.stack(m, div, 1, 40, 40) / 40 + costs.scanned_extra(m, div, 40)
+  assert costs.scanned_extra(m, div, 40) > 0
+  assert ours == pytest.approx(_scan_residuals(config), rel=0.05)

@@ -7,10 +7,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+import safetensors.numpy
+from flax import traverse_util
 
 from conftest import cli, records
 from test_scaling import _matmul_flops
-from lm_jax import checkpoint_export, config_lib, defaults, flops, models, params as params_lib, train
+from lm_jax import (checkpoint_export, config_lib, defaults, flops, init_from, models, optim, params as params_lib,
+                    train)
 from lm_jax.data import tasks
 from lm_jax.evals import probe
 from lm_jax.hf import export
@@ -223,3 +226,77 @@ def test_init_from_a_run_with_the_other_scan_layers(shared_data, tmp_path):
                              _apply(ml_collections.FrozenConfigDict(looped.model), source, batch)["logits"], atol=1e-6)
   back = models.family("modernbert").rescan(s.config.model, looped.model, params)
   jax.tree.map(np.testing.assert_array_equal, back, jax.device_get(source))
+
+
+# 8 layers scanned: layers_0, two groups of (local, local, global) (layers 1-3, 4-6), layers_7 looped.
+FINETUNE = {"model.vocab_size": 101, "model.d_model": 32, "model.num_heads": 2, "model.d_ff": 40,
+            "model.num_layers": 8, "model.sliding_window": 4}
+
+
+def finetune_configs(**fields):
+  """(looped, scanned) tiny configs with `fields`."""
+  return tuple(config_lib.load("configs/modernbert.py:tiny", {**FINETUNE, **fields, "model.scan_layers": scan})
+               for scan in (False, True))
+
+
+def test_scanned_layer_decay_gives_every_layer_its_looped_factor():
+  """Each real layer of a group keeps its own depth factor (0.5^(8 - i)), leaf for leaf equal to the looped model's
+  after ungrouping, and the optimizer's update takes the grouped tree."""
+  looped, scanned = finetune_configs(**{"finetune.layer_decay": 0.5})
+  scales = lambda c: optim.layer_lr_scales(models.logical_axes(c.model), c.model, 0.5)
+  shapes = models.abstract_params(scanned.model)
+  full = jax.tree.map(lambda s, a: np.broadcast_to(s, a.shape), scales(scanned), shapes)
+  ungrouped = models.family("modernbert").relaid(scanned.model, full, scan=False)
+  flat = lambda t: {"/".join(k.key for k in p): v for p, v in jax.tree_util.tree_leaves_with_path(t)}
+  ours, theirs = flat(ungrouped), flat(scales(looped))
+  assert ours.keys() == theirs.keys()
+  for path, value in ours.items():
+    assert np.all(value == theirs[path]), path
+  assert theirs["layers_5/mlp/wo/kernel"] == np.float32(0.5 ** 3) and theirs["head/dense/kernel"] == 1.0
+  tx, _ = optim.make(scanned, models.logical_axes(scanned.model))
+  jax.eval_shape(lambda p: tx.update(p, tx.init(p), p), shapes)   # grouped leaves against their factors
+
+
+def test_scanned_reinit_top_resets_the_looped_top_layers():
+  looped, scanned = finetune_configs()
+  shapes, relaid = models.looped_params(looped.model)[0], models.family("modernbert").relaid
+  tree = lambda v: traverse_util.unflatten_dict({tuple(p.split("/")): np.full(a.shape, v, np.float32)
+                                                 for p, a in shapes.items()})
+  old, fresh = tree(0.0), tree(1.0)
+  got = relaid(scanned.model, init_from.reinit_top(scanned.model, relaid(scanned.model, old, scan=True),
+                                                   relaid(scanned.model, fresh, scan=True), 3), scan=False)
+  jax.tree.map(np.testing.assert_array_equal, got, init_from.reinit_top(looped.model, old, fresh, 3))
+  assert [float(got[f"layers_{i}"]["mlp"]["wo"]["kernel"].max()) for i in range(8)] == [0.0] * 5 + [1.0] * 3
+
+
+@pytest.mark.parametrize("method", ["lora", "ia3"])
+def test_scanned_adapters_equal_the_looped_ones(method, tmp_path):
+  """LoRA (B non-zero) and IA³ on the grouped layers: the same logits as the looped model through the training path
+  (IA³ merged too), the same PEFT files; LoRA's adapters train (a gradient step raises the log-probability of
+  token 0)."""
+  from test_lora import forward, forward_unmerged, random_params
+  fields = ({"lora.rank": 2, "lora.targets": ("attention/(query|value)/", "mlp/wo/")} if method == "lora" else
+            {"ia3.targets": ("attention/(key|value)/", "mlp/wo/"), "ia3.feedforward": ("mlp/wo/",)})
+  looped, scanned = finetune_configs(**fields, **{f"{method}.modules_to_save": ("^head/", "mlp_ln/")})
+  relaid = models.family("modernbert").relaid
+  params = random_params(looped)
+  grouped = relaid(scanned.model, params, scan=True)
+  assert jax.tree.map(np.shape, grouped) == jax.tree.map(np.shape, params_lib.abstract(scanned))
+  batch = {"input_ids": jnp.asarray(IDS), "attention_mask": jnp.asarray(MASK)}
+  logits = lambda f, c, p: np.asarray(f(c)(p, batch)[0])
+  np.testing.assert_allclose(logits(forward_unmerged, scanned, grouped), logits(forward_unmerged, looped, params),
+                             atol=1e-5, rtol=0)   # the training path
+  if method == "ia3":   # merged
+    np.testing.assert_allclose(logits(forward, scanned, grouped), logits(forward, looped, params), atol=1e-5, rtol=0)
+  else:   # trains: every adapter gets a gradient, and a step along it raises the mean log-probability of token 0
+    token0 = lambda p: jnp.mean(jax.nn.log_softmax(forward_unmerged(scanned)(p, batch)[0])[..., 0])
+    objective = jax.jit(jax.value_and_grad(token0))
+    before, grads = objective(grouped)
+    assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads["lora"]))
+    stepped = jax.tree.map(lambda p, g: p + 0.1 * g, grouped["lora"], grads["lora"])
+    assert objective({**grouped, "lora": stepped})[0] > before
+  for config, p in ((looped, params), (scanned, grouped)):
+    params_lib.save_adapter(config, p, str(tmp_path / str(config.model.scan_layers)))
+  ours, theirs = (safetensors.numpy.load_file(tmp_path / d / "adapter_model.safetensors") for d in ("True", "False"))
+  assert ours.keys() == theirs.keys() and any("mlp_norm" in k for k in ours)
+  jax.tree.map(np.testing.assert_array_equal, ours, theirs)

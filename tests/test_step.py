@@ -1,5 +1,7 @@
 """Train step and optimizers: microbatch accumulation equals the full batch, dropout from fold_in(seed, step),
 paper schedules, weight-decay masks, the written-out Adam against optax and BERT's update rule."""
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -71,6 +73,31 @@ def test_microbatches_give_the_full_batch_update(objective):
   leaves = zip(jax.tree.leaves(state_one["params"]), jax.tree.leaves(state_four["params"]))
   assert max(float(np.max(np.abs(a - b))) for a, b in leaves) < 1e-6
   assert int(state_four["step"]) == 3 and all(m["grad_norm"] > 0 for m in one)
+
+
+@pytest.mark.parametrize("objective", ["clm", "mlm"])
+def test_microbatched_eval_step_gives_the_full_batch_metrics(objective):
+  """The eval step runs config.microbatches microbatches one at a time: the same metrics and denominators, and the
+  per-example outputs in the batch's row order (a predict that returns each row's first token)."""
+  predict = lambda config, params, batch: {"first": batch["input_ids"][:, 0]}
+  obj = dataclasses.replace(objectives.get(objective), predict=predict)
+  batch, out = _batch(_config(objective), seed=3), []
+  rng = np.random.default_rng(0)   # drawn in numpy: no init to compile
+  params = jax.tree.map(lambda a: 0.1 * rng.standard_normal(a.shape).astype(a.dtype),
+                        models.abstract_params(_config(objective).model))
+  for n in (1, 4):
+    config = _config(objective, microbatches=n)
+    mesh = sharding.make_mesh(config)
+    params_sh = layout.build(config, mesh, sharding.RULES).state_sharding["params"]
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
+      eval_step = step.make_eval_step(config, obj, params_sh, mesh)
+      out.append(jax.device_get(eval_step(jax.device_put(params, params_sh), batch)))
+  (m1, d1, o1), (m4, d4, o4) = out
+  assert m1.keys() == m4.keys() and d1 == d4 and np.isfinite(m1["loss"])
+  for k in m1:
+    np.testing.assert_allclose(m4[k], m1[k], rtol=1e-6, atol=1e-7, err_msg=k)
+  np.testing.assert_array_equal(o4["first"], batch["input_ids"][:, 0])
+  np.testing.assert_array_equal(o1["first"], o4["first"])
 
 
 def test_dropout_depends_on_step_not_on_host_state():

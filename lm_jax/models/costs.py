@@ -82,6 +82,32 @@ def one_stack(cfg, lengths, div: dict, head_transform: bool = False) -> int:
                                                              lengths.inputs)
 
 
+def scanned_extra(cfg, div: dict, s_kv: int) -> int:
+  """Bytes per token per layer that a scanned stack of pre-RMSNorm SwiGLU / GQA blocks (Llama, Qwen3) keeps beyond
+  stack()'s count: scan's autodiff saves its body's residuals as they are (those of jax.linearize of one layer),
+  where XLA fuses an unrolled layer's elementwise ones away and keeps one buffer per value. Beyond stack() they
+  are each RMSNorm's input normalised before its scale (2D), the residual stream and the norms' outputs in the
+  params' dtype (p bytes, where stack() counts c), the (tokens, features) copy of each Dense input (query, key,
+  value: 3D, gate and up: 2D, down: F; the out projection's is stack()'s A), the gated FFN's fifth F-sized value
+  (gate, up, act(gate), their product), and the probabilities a second time when the attention dot reads another
+  view of them: grouped as (K, G, S) (float32), or cast to a narrower model.dtype (c bytes). smollm_135m (float32,
+  2048 tokens): 216 KB per token per layer where stack() counts 114; compiled (v5e-8, 30 layers, 2 and 4 rows)
+  157 KB, XLA rematerialising under the memory limit; looped (v4-8) 98 KB."""
+  if not cfg.scan_layers:
+    return 0
+  c, p = _itemsize(cfg), np.dtype(layers.dtype(cfg.param_dtype)).itemsize
+  D, F, H = cfg.d_model, -(-cfg.d_ff // div["mlp"]), -(-cfg.num_heads // div["heads"])
+  view = c if c < 4 else 4 * (kv_heads(cfg) < cfg.num_heads)
+  return 2 * D * p + 4 * D * (p - c) + (5 * D + F + (F if cfg.gated_ffn else 0)) * c + view * H * s_kv
+
+
+def pre_norm_stack(cfg, lengths, div: dict) -> int:
+  """Family.activation_bytes of Llama and Qwen3: one_stack() plus what their scanned layers keep beyond it
+  (scanned_extra): every layer's without remat, else the one recomputed in full during its backward."""
+  n = cfg.num_layers if cfg.remat_policy == "none" else 1
+  return one_stack(cfg, lengths, div) + n * lengths.inputs * scanned_extra(cfg, div, lengths.inputs)
+
+
 def cache(cfg, rows: int, length: int, n: int) -> int:
   """Bytes of keys and values (rows, kv_heads, length, head_dim) in model.dtype for `n` attention layers."""
   return 2 * n * rows * kv_heads(cfg) * length * layers.head_dim(cfg) * _itemsize(cfg)

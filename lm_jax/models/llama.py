@@ -87,11 +87,13 @@ def init_cache(cfg, params: dict, batch: dict, max_length: int) -> dict:
 
 
 def family(name: str, fields: dict) -> Family:
-  """The Family record of this Model under `name` with its FIELDS (llama; qwen3 reuses it). FLOPs and activation
-  bytes are the shared counts, which read num_kv_heads, head_dim and gated_ffn (lm_jax/flops.py, costs.py)."""
+  """The Family record of this Model under `name` with its FIELDS (llama; qwen3 reuses it). FLOPs are the shared
+  count, which reads num_kv_heads, head_dim and gated_ffn (lm_jax/flops.py); activation bytes the shared count plus
+  what a scanned stack of these layers keeps beyond it (costs.pre_norm_stack)."""
   return Family(name=name, layout="decoder", Model=Model, example_batch=gpt.example_batch,
                 forward_flops=gpt.forward_flops, tokens=gpt.TOKENS, fields=fields, sizes=("max_positions",),
                 check_config=check_config, heads=HEADS, kv_cache_bytes=costs.decoder_cache, init_cache=init_cache,
+                activation_bytes=costs.pre_norm_stack,
                 decode_step=functools.partial(gpt.decode_step, model=Model))
 
 

@@ -13,7 +13,8 @@ groups of model.global_every layers instead of single ones: layer 0 stays looped
 G * global_every, G = (num_layers - 1) // global_every, are G groups of (local, ..., local, global) under 'layers'
 (sub-layers `local_0` ... and `global`, params with a leading axis of G), then the remaining local layers looped
 under their own index (`layers_<i>`). base's 22 layers: layers_0 + 7 groups; large's 28: layers_0 + 9 groups.
-grouped / ungrouped convert between the two layouts (the HF converter goes through the looped one).
+grouped / ungrouped convert between the two layouts (the HF converter goes through the looped one); place_layer and
+relaid (the Family's) tell adapters, PEFT files, layer_decay and reinit_top_layers where each layer sits.
 
 A model config with num_labels > 0 is a sequence classifier (HF ModernBertForSequenceClassification): the final
 states pooled (model.classifier_pooling: [CLS] or the mean over real tokens) -> head -> dropout -> 'classifier'.
@@ -128,26 +129,49 @@ def _remat(cfg, block, scanned: bool):
 
 def grouped(cfg, params: dict) -> dict:
   """Looped params (`layers_<i>`) in cfg's layout: with model.scan_layers, grouped_layers' layers stacked into
-  the groups under 'layers' (module docstring)."""
+  the groups under 'layers' (module docstring). A tree of some of the params (adapters) gets the groups it has
+  every layer of."""
   inside = grouped_layers(cfg)
-  if not inside:
-    return params
   g, names = cfg.global_every, group_names(cfg)
+  have = [j for j in range(g) if inside and all(f"layers_{i}" in params for i in inside[j::g])]
+  if not have:
+    return params
   stack = lambda j: relayout.put_layers([params[f"layers_{i}"] for i in inside[j::g]], scan=True)["layers"]
-  outside = {k: v for k, v in params.items() if not (m := layers.LOOPED.fullmatch(k)) or int(m[1]) not in inside}
-  return outside | {"layers": {name: stack(j) for j, name in enumerate(names)}}
+  moved = {f"layers_{i}" for j in have for i in inside[j::g]}
+  return {k: v for k, v in params.items() if k not in moved} | {"layers": {names[j]: stack(j) for j in have}}
 
 
 def ungrouped(cfg, params: dict) -> dict:
   """Inverse of grouped: every layer under `layers_<i>`."""
   inside = grouped_layers(cfg)
-  if not inside:
+  if not inside or "layers" not in params:
     return params
   g, names, stacked = cfg.global_every, group_names(cfg), params["layers"]
   out = {k: v for k, v in params.items() if k != "layers"}
   for n, i in enumerate(inside):
-    out[f"layers_{i}"] = jax.tree.map(lambda a: a[n // g], stacked[names[n % g]])
+    if names[n % g] in stacked:
+      out[f"layers_{i}"] = jax.tree.map(lambda a: a[n // g], stacked[names[n % g]])
   return out
+
+
+def place_layer(cfg, i: int):
+  """Family.place_layer: a grouped layer sits in its group's sub-layer under 'layers', at its group's index."""
+  inside = grouped_layers(cfg)
+  if i not in inside:
+    return None
+  n = i - inside.start
+  return ("layers", group_names(cfg)[n % cfg.global_every]), n // cfg.global_every
+
+
+def relaid(cfg, tree, scan: bool):
+  """Family.relaid: `tree` with its layers looped, then (scan) grouped as cfg's layout groups them, at every
+  level that holds layers (the params, the adapters under their own key)."""
+  if not isinstance(tree, dict):
+    return tree
+  as_scanned = layers.replace(cfg, scan_layers=True)
+  tree = {k: v if k == "layers" or layers.LOOPED.fullmatch(k) else relaid(cfg, v, scan) for k, v in tree.items()}
+  tree = ungrouped(as_scanned, jax.device_get(tree))
+  return grouped(cfg, tree) if scan else tree
 
 
 class Model(nn.Module):
@@ -240,6 +264,7 @@ FAMILY = Family(
     name="modernbert", layout="encoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
     fields=FIELDS, sizes=("max_positions", "global_every", "sliding_window"), check_config=check_config, heads=HEADS,
     rescan=lambda source, target, params: grouped(target, ungrouped(source, jax.device_get(params))),
+    place_layer=place_layer, relaid=relaid,
     activation_bytes=functools.partial(costs.one_stack, head_transform=True),
     tokens=Tokens(spm=dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
                            control_symbols=["[CLS]", "[SEP]", "[MASK]"]),

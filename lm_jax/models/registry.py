@@ -40,6 +40,13 @@ def check_heads_split(cfg, mesh: dict) -> None:
       raise ValueError(f"config.model.{name}={n} is not divisible by config.mesh.tensor={mesh['tensor']}")
 
 
+def place_layer(cfg, i: int) -> tuple[tuple[str, ...], int] | None:
+  """Where looped layer i (`layers_<i>` of a stack) sits in cfg's layout: (the keys that replace `layers_<i>`, its
+  index along their leading axis), or None where it stays looped (Family.place_layer's default: every stack scanned
+  or looped whole)."""
+  return (("layers",), i) if cfg.scan_layers else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
   """A model family (see lm_jax/models/__init__.py for how each field is used).
@@ -66,6 +73,10 @@ class Family:
   # checkpoint of a run with the other setting (init_from). Every stack is scanned or looped whole unless the family
   # groups its layers (ModernBERT).
   rescan: Callable = lambda source, target, params: relayout.relayout(params, target.scan_layers)
+  place_layer: Callable = place_layer
+  # (cfg, tree, scan) -> a nested dict shaped like (part of) the params, on the host, with its layers looped
+  # (scan=False) or in cfg's layout (scan=True): adapters, PEFT tensors, the layers reinit_top_layers resets.
+  relaid: Callable = lambda cfg, tree, scan: relayout.relayout(tree, scan and cfg.scan_layers)
   learned_positions: bool = False   # max_positions bounds the sequence length
   init_cache: Callable | None = None     # (cfg, params, batch, max_length) -> KV cache (decoders)
   decode_step: Callable | None = None    # see layout

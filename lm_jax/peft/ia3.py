@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from lm_jax import models
-from lm_jax.models import layers, relayout
+from lm_jax.models import layers
 from lm_jax.peft import peft_format, targets
 
 NAME = KEY = "ia3"       # the config group, and the vectors' top-level key in the params tree
@@ -229,4 +229,4 @@ def load(config, directory: str) -> dict:
     raise ValueError(f"{file}: {peft_format.PREFIX}{unused[0]} is not in config.ia3.targets="
                      f"{tuple(config.ia3.targets)}")
   params = {KEY: vectors, **peft_format.saved_params(config, NAME, tensors)}
-  return relayout.relayout(params, config.model.scan_layers)
+  return models.family(config.model).relaid(config.model, params, scan=True)

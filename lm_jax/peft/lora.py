@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from lm_jax import models
-from lm_jax.models import layers, nf4, relayout
+from lm_jax.models import layers, nf4
 from lm_jax.peft import peft_format, targets
 
 NAME = KEY = "lora"      # the config group, and the adapters' top-level key in the params tree
@@ -186,7 +186,8 @@ def save(config, params: dict, out_dir: str):
   of query / key / value maps exactly."""
   m, c, s = config.model, config.lora, scale(config)
   names = peft_format.table(m)
-  adapters = {"/".join(k) + "/kernel": v for k, v in _flat(relayout.relayout(params[KEY], scan=False)).items()}
+  looped = models.family(m).relaid(m, params[KEY], scan=False)
+  adapters = {"/".join(k) + "/kernel": v for k, v in _flat(looped).items()}
   tensors, modules, qkv = {}, set(), {}
   for path, node in adapters.items():
     name, _ = names[path]
@@ -274,7 +275,7 @@ def load(config, path: str) -> dict:
       raise ValueError(f"{file}: the adapter of {module} has A {a.shape[::-1]}, B {b.shape[::-1]}; config.lora.rank="
                        f"{r} and the model need A {(r, math.prod(kernel[:n]))}, B {(math.prod(kernel[n:]), r)}")
     targets.put(out, tuple(looped.split("/")[:-1]), {"a": a.reshape(*kernel[:n], r), "b": b.reshape(r, *kernel[n:])})
-  return relayout.relayout({KEY: out, **peft_format.saved_params(config, NAME, tensors)}, m.scan_layers)
+  return models.family(m).relaid(m, {KEY: out, **peft_format.saved_params(config, NAME, tensors)}, scan=True)
 
 
 def _flat(tree, prefix=()) -> dict:

@@ -51,16 +51,15 @@ def write(out_dir: str, adapter_config: dict, tensors: dict):
 
 def saved_tensors(config, name: str, params: dict) -> dict:
   """{HF name: tensor} of the params config.<name>.modules_to_save trains (PEFT saves them under their names)."""
-  names, trained = table(config.model), {}
+  names, m = table(config.model), config.model
   plain = {k: v for k, v in params.items() if k != name}
   mask = _paths(targets.saved_mask(config, name, plain))
+  saved = {}
   for path, value in _paths(plain).items():
     if mask.get(path):
-      for looped, array in _looped_names(path, value):
-        if looped in names:
-          hf_name, kind = names[looped]
-          trained[hf_name] = convert.to_hf_array(array, kind)
-  return trained
+      targets.put(saved, tuple(path.split("/")), value)
+  looped = _paths(models.family(m).relaid(m, saved, scan=False))   # one per layer of a scanned stack
+  return {names[p][0]: convert.to_hf_array(np.asarray(v), names[p][1]) for p, v in looped.items() if p in names}
 
 
 def _paths(tree: dict, prefix: str = "") -> dict:
@@ -69,15 +68,6 @@ def _paths(tree: dict, prefix: str = "") -> dict:
   for k, v in tree.items():
     out.update(_paths(v, f"{prefix}{k}/") if isinstance(v, dict) else {prefix + k: v})
   return out
-
-
-def _looped_names(path: str, value) -> list[tuple[str, np.ndarray]]:
-  """(looped path, value) of a run-layout param: one per layer of a scanned stack."""
-  keys = path.split("/")
-  if "layers" not in keys:
-    return [(path, np.asarray(value))]
-  i = keys.index("layers")
-  return [("/".join(keys[:i] + [f"layers_{n}"] + keys[i + 1:]), np.asarray(value)[n]) for n in range(len(value))]
 
 
 # ------------------------------------------------------------------------------------------------------- import

@@ -24,18 +24,29 @@ def kernels(config, group) -> list[str]:
           and any(re.search(rx, p) for rx in group.targets)]
 
 
+def placed(config, looped: str) -> tuple[tuple[str, ...], int]:
+  """(path in the run's layout, index along its leading layer axis; 0 outside a scanned stack): where the family
+  places each looped layer (Family.place_layer: a scanned stack keeps all its layers under 'layers', ModernBERT's
+  groups under 'layers/<sub-layer>')."""
+  place_layer, path, index = models.family(config.model).place_layer, [], 0
+  for k in looped.split("/"):
+    m = layers.LOOPED.fullmatch(k)
+    where = place_layer(config.model, int(m[1])) if m else None
+    path += where[0] if where else [k]
+    index = where[1] if where else index
+  return tuple(path), index
+
+
 def run_path(config, looped: str) -> tuple[str, ...]:
-  """Path in the run's layout: a scanned stack keeps all its layers under 'layers'."""
-  keys = tuple(looped.split("/"))
-  return tuple("layers" if config.model.scan_layers and layers.LOOPED.fullmatch(k) else k for k in keys)
+  return placed(config, looped)[0]
 
 
 def groups(config, group) -> dict:
-  """{run-layout kernel path: [looped kernel paths, in layer order]}."""
+  """{run-layout kernel path: [looped kernel paths, in the order of its leading layer axis]}."""
   out = {}
   for p in kernels(config, group):
     out.setdefault(run_path(config, p), []).append(p)
-  return out
+  return {path: sorted(members, key=lambda p: placed(config, p)[1]) for path, members in out.items()}
 
 
 def adapted(config, group) -> list[tuple[str, ...]]:

@@ -76,7 +76,7 @@ def compile_steps(config, topo: topology.Topology):
   steps = [("the train step", step.make_train_step(lay.policy, objective, lay.tx, lay.lr_schedule, state_sh, mesh),
             (state, batch))]
   if config.eval_every:   # the trainer builds its evaluator only then
-    steps.append(("the eval step (batch_size rows at once)",
+    steps.append(("the eval step",
                   step.make_eval_step(lay.policy, objective, state_sh["params"], mesh), (state["params"], batch)))
   target = layers.compiling_for("gpu" if topo.platform == "cuda" else "tpu")
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules), target:   # jits built outside: they make arrays eagerly

@@ -15,6 +15,8 @@ activations: analytic, what the backward pass keeps: the family's count (Family.
   Rows per device = batch_size / microbatches / (mesh size of 'batch'). Not counted: XLA temporaries (gradients of
   the logits, fusion buffers), all-gathered FSDP weights in flight, the optimizer update's temporaries: measured
   peaks run higher (see README).
+eval step: params and one microbatch's forward pass (step.make_eval_step runs the train step's microbatches one at
+  a time), less than the train step keeps: a setting whose train step fits has an eval step that fits.
 kv cache (kv_cache_bytes): a decoding cache's keys and values, the family's count (Family.kv_cache_bytes).
 """
 import dataclasses
