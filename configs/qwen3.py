@@ -7,8 +7,8 @@ Variants:
         596,049,920 parameters (0.44B without the embeddings, as its model card says).
   tiny  2 layers of 128, 4 heads of 48, 2 kv heads, on Tiny Shakespeare (CPU).
 Qwen3's optimizer settings are not published: Llama's are used (configs/llama.py).
---mode=compile of 0_6b for v5e-8 (scanned, remat full, 32 microbatches, fsdp 8, eval_every=0: the eval step runs
-batch_size rows at once): 6.44 GiB per device, 6.705e15 FLOPs per step, 10.6 s at MFU 40%.
+--mode=compile of 0_6b for v5e-8 (scanned, remat full, 32 microbatches, fsdp 8; eval_every=0, compiled before the
+eval step ran the train step's microbatches): 6.44 GiB per device, 6.705e15 FLOPs per step, 10.6 s at MFU 40%.
 """
 from lm_jax import defaults
 
