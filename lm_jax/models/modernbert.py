@@ -19,7 +19,6 @@ relaid (the Family's) tell adapters, PEFT files, layer_decay and reinit_top_laye
 A model config with num_labels > 0 is a sequence classifier (HF ModernBertForSequenceClassification): the final
 states pooled (model.classifier_pooling: [CLS] or the mean over real tokens) -> head -> dropout -> 'classifier'.
 """
-import functools
 import math
 from typing import Any
 
@@ -260,12 +259,20 @@ def forward_flops(cfg, lengths) -> float:
   return total + flops.dense(scored, d, d) + flops.dense(scored, d, cfg.vocab_size)
 
 
+def activation_bytes(cfg, lengths, div) -> int:
+  """costs.one_stack (with BERT's head transform) plus what the scanned groups keep beyond it
+  (costs.grouped_extra): every grouped layer's without remat, else the one recomputed in full during its backward."""
+  n = len(grouped_layers(cfg)) if cfg.remat_policy == "none" else min(1, len(grouped_layers(cfg)))
+  return (costs.one_stack(cfg, lengths, div, head_transform=True)
+          + n * lengths.inputs * costs.grouped_extra(cfg, div, lengths.inputs))
+
+
 FAMILY = Family(
     name="modernbert", layout="encoder", Model=Model, example_batch=example_batch, forward_flops=forward_flops,
     fields=FIELDS, sizes=("max_positions", "global_every", "sliding_window"), check_config=check_config, heads=HEADS,
     rescan=lambda source, target, params: grouped(target, ungrouped(source, jax.device_get(params))),
     place_layer=place_layer, relaid=relaid,
-    activation_bytes=functools.partial(costs.one_stack, head_transform=True),
+    activation_bytes=activation_bytes,
     tokens=Tokens(spm=dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
                            control_symbols=["[CLS]", "[SEP]", "[MASK]"]),
                   required=("pad_id", "cls_id", "sep_id", "mask_id"), template=("cls_id", "$A", "sep_id")))
