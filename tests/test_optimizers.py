@@ -242,14 +242,22 @@ KILL_SCRIPT = textwrap.dedent("""
     import os, pathlib, signal, sys
     sys.path.insert(0, {tests!r})
     from conftest import load_config
-    from lm_jax import sharding, train
-    real, calls = sharding.global_batch, []
-    def global_batch(*args):   # kill -9 before step 5's batch: after checkpoints 2 and 4 were started
-      calls.append(1)
-      if len(calls) == 5:
-        os.kill(os.getpid(), signal.SIGKILL)
-      return real(*args)
-    sharding.global_batch = global_batch
+    from lm_jax import train
+    from lm_jax.data import pipeline
+    class Killing:   # the run's iterator, kill -9 before step 5's batch: after checkpoints 2 and 4 were started
+      def __init__(self, it):
+        self.it, self.taken = it, 0
+      def __getattr__(self, name):
+        return getattr(self.it, name)
+      def __iter__(self):
+        return self
+      def __next__(self):
+        self.taken += 1
+        if self.taken == 5:
+          os.kill(os.getpid(), signal.SIGKILL)
+        return next(self.it)
+    make = pipeline.make_train_iterator
+    pipeline.make_train_iterator = lambda *args, **kwargs: Killing(make(*args, **kwargs))
     train.train(load_config("clm", pathlib.Path({data!r}), **{flags!r}), {work!r})
 """)
 
