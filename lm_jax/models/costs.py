@@ -101,11 +101,16 @@ def scanned_extra(cfg, div: dict, s_kv: int) -> int:
   return 2 * D * p + 4 * D * (p - c) + (5 * D + F + (F if cfg.gated_ffn else 0)) * c + view * H * s_kv
 
 
+def with_scanned(cfg, lengths, div: dict, extra, scanned: int, head_transform: bool = False) -> int:
+  """one_stack() plus `extra(cfg, div, s_kv)`, the bytes per token per layer a scanned layer keeps beyond it, for
+  each of the `scanned` layers without remat, else for the one recomputed in full during its backward."""
+  n = scanned if cfg.remat_policy == "none" else min(1, scanned)
+  return one_stack(cfg, lengths, div, head_transform) + n * lengths.inputs * extra(cfg, div, lengths.inputs)
+
+
 def pre_norm_stack(cfg, lengths, div: dict) -> int:
-  """Family.activation_bytes of Llama and Qwen3: one_stack() plus what their scanned layers keep beyond it
-  (scanned_extra): every layer's without remat, else the one recomputed in full during its backward."""
-  n = cfg.num_layers if cfg.remat_policy == "none" else 1
-  return one_stack(cfg, lengths, div) + n * lengths.inputs * scanned_extra(cfg, div, lengths.inputs)
+  """Family.activation_bytes of Llama and Qwen3: with_scanned() of scanned_extra over every layer."""
+  return with_scanned(cfg, lengths, div, scanned_extra, cfg.num_layers)
 
 
 def grouped_extra(cfg, div: dict, s_kv: int) -> int:

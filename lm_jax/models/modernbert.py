@@ -260,11 +260,9 @@ def forward_flops(cfg, lengths) -> float:
 
 
 def activation_bytes(cfg, lengths, div) -> int:
-  """costs.one_stack (with BERT's head transform) plus what the scanned groups keep beyond it
-  (costs.grouped_extra): every grouped layer's without remat, else the one recomputed in full during its backward."""
-  n = len(grouped_layers(cfg)) if cfg.remat_policy == "none" else min(1, len(grouped_layers(cfg)))
-  return (costs.one_stack(cfg, lengths, div, head_transform=True)
-          + n * lengths.inputs * costs.grouped_extra(cfg, div, lengths.inputs))
+  """costs.one_stack (with BERT's head transform) plus what the scanned groups keep beyond it (costs.grouped_extra,
+  through costs.with_scanned)."""
+  return costs.with_scanned(cfg, lengths, div, costs.grouped_extra, len(grouped_layers(cfg)), head_transform=True)
 
 
 FAMILY = Family(
