@@ -1,6 +1,8 @@
 """Optimizers and schedules on nanoGPT's CPU recipe (configs/nanogpt.py:shakespeare_char_cpu), several seeds each:
-AdamW with its cosine schedule (the recipe), Muon (shakespeare_char_cpu_muon, at full length and at 75% of the
-steps), schedule-free AdamW at a constant rate, Lion, and AdamW with WSD (20% 1-sqrt cooldown).
+AdamW with its cosine schedule (the recipe, the target), Muon (shakespeare_char_cpu_muon, at full length and at 75% of
+the steps), schedule-free AdamW at a constant rate, Lion, AdamW with WSD (20% 1-sqrt cooldown), and the recipe at the
+rate a sweep found best for it (4e-3 instead of nanoGPT's 1e-3). Muon's and schedule-free's rates come from sweeps
+too (bench/README.md).
 
   python bench/optimizers.py                          # 2000 steps, 3 seeds, every optimizer (hours on 2 cores)
   python bench/optimizers.py --steps=300 --only=muon --set=optimizer.lr=0.04   # one row of a sweep
@@ -13,9 +15,10 @@ the table covers every result in DIR, and --seeds=0 only prints it.
 
 Printed per optimizer: the final exact validation loss (the whole split, lm_jax/data/windows.py) as mean ± sd over
 the seeds; the steps it needs to reach AdamW's final mean loss (the first eval at or below it, evals every
---eval_every steps: each exact eval costs about 50 training steps); its median step time against AdamW's (the log
-windows, eval and checkpoints left out) with the load average during its runs (on a shared machine the times say
-little); and modded-nanogpt's significance margin (target - mean) * sqrt(n), the target being AdamW's mean.
+--eval_every steps: each exact eval costs about 50 training steps); its step time against AdamW's (the median of
+the log windows, eval and checkpoints left out, then the median over seeds) with the median load average of its
+runs (on a shared machine the times say little); and modded-nanogpt's significance margin (target - mean) * sqrt(n),
+the target being AdamW's mean.
 """
 import argparse
 import fcntl
@@ -37,10 +40,12 @@ RUNS = {   # in the order run for each seed: the issue's bars first
     "muon_75%": ("shakespeare_char_cpu_muon", {}, 0.75),
     "adamw_wsd": ("shakespeare_char_cpu", {"optimizer.schedule": "wsd", "optimizer.cooldown_shape": "1-sqrt"}, 1.0),
     "schedule_free": ("shakespeare_char_cpu",
-                      {"optimizer.name": "schedule_free_adamw", "optimizer.schedule": "constant"}, 1.0),
+                      {"optimizer.name": "schedule_free_adamw", "optimizer.schedule": "constant", "optimizer.lr": 8e-3},
+                      1.0),
     "muon": ("shakespeare_char_cpu_muon", {}, 1.0),
     "lion": ("shakespeare_char_cpu", {"optimizer.name": "lion", "optimizer.lr": 1e-4, "optimizer.weight_decay": 1.0},
              1.0),
+    "adamw_cosine_4e-3": ("shakespeare_char_cpu", {"optimizer.lr": 4e-3}, 1.0),   # the recipe at its tuned rate
 }
 
 
@@ -130,7 +135,7 @@ def main():
   if "adamw_cosine" not in results:
     return
   target = statistics.mean(r["final"] for r in results["adamw_cosine"])
-  base_ms = statistics.mean(r["ms"] for r in results["adamw_cosine"])
+  base_ms = statistics.median(r["ms"] for r in results["adamw_cosine"])
   print(f"\n{args.steps} steps; target: AdamW cosine's mean final val loss {target:.4f}")
   print("| optimizer | steps | seeds | val loss mean ± sd | steps to target (per seed) | ms/step vs AdamW (load) "
         "| margin |")
@@ -140,8 +145,8 @@ def main():
     n = len(finals)
     sd = statistics.stdev(finals) if n > 1 else 0.0
     reach = [next((s for s, v in r["evals"] if v <= target), None) for r in rs]
-    ms = statistics.mean(r["ms"] for r in rs)
-    load = statistics.mean(x for r in rs for x in r.get("load", [float("nan")]))
+    ms = statistics.median(r["ms"] for r in rs)   # one run slowed by a busy machine moves no median
+    load = statistics.median(x for r in rs for x in r.get("load", [float("nan")]))
     steps = max(1, round(args.steps * RUNS[name][2]))
     print(f"| {name} | {steps} | {n} | {statistics.mean(finals):.4f} ± {sd:.4f} | "
           f"{', '.join('-' if s is None else str(s) for s in reach)} | {ms / base_ms:.2f}x ({ms:.0f} ms, "

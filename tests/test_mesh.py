@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import FAST_COMPILE, REPO
 
 MESHES = {"clm": [(8, 1, 1), (2, 2, 2), (1, 4, 2), (2, 4, 1)], "mlm": [(2, 2, 2), (1, 4, 2)],
           "span_corruption": [(2, 2, 2), (1, 4, 2)]}
@@ -19,8 +19,8 @@ MESHES = {"clm": [(8, 1, 1), (2, 2, 2), (1, 4, 2), (2, 4, 1)], "mlm": [(2, 2, 2)
 # depend on the sharding either.
 MODEL = {"model.d_model": 64, "model.d_ff": 256, "model.dropout_rate": 0.1, "model.attention_dropout_rate": 0.1}
 
-# LLVM at -O0 compiles a third faster; the SPMD partitioning under test is the same.
-XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+# The session's cheapest compile (conftest.py); the SPMD partitioning under test is the same.
+XLA_FLAGS = f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
 
 SCRIPT = textwrap.dedent("""
     import json, pathlib, sys

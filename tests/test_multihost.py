@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import run_tokenizer
+from conftest import FAST_COMPILE, run_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "--config=configs/gpt1.py:tiny"
@@ -30,9 +30,9 @@ def _flags(overrides):
 
 
 def _env(devices: int, workdir: pathlib.Path) -> dict:
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-              LM_JAX_DEVICES_PER_PROCESS=str(devices), LM_JAX_LOG_DIR=str(workdir / "logs"),
-              PYTHONPATH=str(REPO))
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+              LM_JAX_DEVICES_PER_PROCESS=str(devices), LM_JAX_LOG_DIR=str(workdir / "logs"), PYTHONPATH=str(REPO))
 
 
 def _check(run, workdir):
