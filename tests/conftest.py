@@ -25,9 +25,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # steps, not running them, is most of a test's time. On test_cli, test_rlhf, test_llama, test_checkpoint,
 # test_finetune and test_t5 these flags cut the CPU time from 518 s to 420 s (the MiniLM tests, which run a real
 # model, go the other way). The xdist workers and every subprocess inherit them, a test that sets XLA_FLAGS for its
-# subprocess keeps its own, and the TPU / GPU compiles of the --mode=compile venv run without them (aot_env).
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false")
+# subprocess keeps its own, and the TPU / GPU compiles of the --mode=compile venv run without them (user_env).
+from goldens.regenerate import FAST_COMPILE  # noqa: E402 - the goldens' flags: one list of them
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
@@ -92,9 +91,10 @@ def load_config(objective, data_dir, /, **overrides):
   return config_lib.load(f"configs/{CONFIG[objective]}", values(objective, data_dir, **overrides))
 
 
-def aot_env(**extra) -> dict:
-  """The environment of a --mode=compile venv subprocess: the session's without FAST_COMPILE (a TPU or GPU compile
-  under them would not be the compile a user's run makes)."""
+def user_env(**extra) -> dict:
+  """The session's environment without FAST_COMPILE, as a user's shell has it: for a TPU or GPU compile in the
+  --mode=compile venv (under these flags it would not be the compile a user's run makes), and for a launcher test
+  that checks the XLA_FLAGS it passes on."""
   env = {**os.environ, **extra}
   env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
   if not env["XLA_FLAGS"]:

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, aot_env
+from conftest import REPO, user_env
 
 AOT_PYTHON = os.environ.get("LM_JAX_AOT_PYTHON", "")
 pytestmark = pytest.mark.skipif(not AOT_PYTHON, reason="LM_JAX_AOT_PYTHON (a venv with requirements-aot.txt) unset")
@@ -55,7 +55,7 @@ print("JSON" + json.dumps({"compiled": out, "slices": slices}))
 
 def aot(*args, timeout=600):
   return subprocess.run([AOT_PYTHON, *args], cwd=REPO, capture_output=True, text=True,
-                        env=aot_env(PYTHONPATH=str(REPO)), timeout=timeout)
+                        env=user_env(PYTHONPATH=str(REPO)), timeout=timeout)
 
 
 def compile_cli(*args):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, aot_env, cli, flags
+from conftest import REPO, user_env, cli, flags
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +193,9 @@ def test_compile_starts_quietly_and_errors_stay_one_line(topology):
   python = os.environ["LM_JAX_AOT_PYTHON"]
   compile_ = [python, "-m", "lm_jax.main", "--mode=compile", "--config=configs/gpt1.py:tiny", f"--topology={topology}"]
   done = subprocess.run([*compile_, "--config.model.num_layers=1"], cwd=REPO, capture_output=True, text=True,
-                        env=aot_env())
+                        env=user_env())
   assert done.returncode == 0 and done.stdout.startswith(f"{topology}: 8 x"), done.stderr[-3000:]
   assert done.stderr == ""   # libtpu's and the CUDA plugin's start-up lines, E0000 ... INVALID_ARGUMENT among them
   refused = subprocess.run([*compile_, "--config.model.num_layers=0"], cwd=REPO, capture_output=True, text=True,
-                           env=aot_env())
+                           env=user_env())
   one_line(refused, 2, "num_layers")

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import user_env
 from lm_jax import config_lib, distributed
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -153,8 +154,7 @@ def test_local_sh_fails_fast_when_one_process_fails(tmp_path):
   """Process 1 exits 3 at once; process 0 would run 60 s: the launcher returns 3 and stops it."""
   fake = _script(tmp_path / "python", '[[ $LM_JAX_PROCESS_ID == 1 ]] && sleep 1 && exit 3\n'
                  'echo "$LM_JAX_COORDINATOR $LM_JAX_NUM_PROCESSES $XLA_FLAGS $*"; sleep 60\n')
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # a shell without the suite's (conftest.py)
-  env.update(PYTHON=str(fake), LM_JAX_LOG_DIR=str(tmp_path / "logs"), LM_JAX_DEVICES_PER_PROCESS="2")
+  env = user_env(PYTHON=str(fake), LM_JAX_LOG_DIR=str(tmp_path / "logs"), LM_JAX_DEVICES_PER_PROCESS="2")
   start = time.time()
   run = subprocess.run([str(LAUNCH / "local.sh"), "2", "--config=c.py"], env=env, capture_output=True, text=True,
                        timeout=30)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import aot_env
+from conftest import user_env
 from lm_jax import distributed
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def test_slice_hosts_agree_with_lm_jax_plan_topology():
           f"tops = {{n: topology.get(n) for n in {NAMES!r}}}\n"
           "print(json.dumps({n: [t.hosts, len(t.devices)] for n, t in tops.items()}))")
   run = subprocess.run([python, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env=aot_env(PYTHONPATH=str(REPO)))
+                       env=user_env(PYTHONPATH=str(REPO)))
   assert run.returncode == 0, run.stderr[-2000:]
   devices = json.loads(run.stdout.strip().splitlines()[-1])
   for name in NAMES:

@@ -26,8 +26,10 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 STEPS = 20
-XLA_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false --xla_cpu_max_isa=AVX2 "
+# XLA:CPU's cheapest compile (the whole test session uses it too: tests/conftest.py)
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false")
+XLA_FLAGS = (f"--xla_force_host_platform_device_count=8 {FAST_COMPILE} --xla_cpu_max_isa=AVX2 "
              "--xla_cpu_multi_thread_eigen=false")
 REGENERATE = 'python tests/goldens/regenerate.py --reason="..."'
 
