@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 import uuid
 
 from absl import logging as absl_logging
@@ -75,11 +76,30 @@ def _drop_orbax_leftovers(previous, unraisable):
     previous(unraisable)
 
 
+class _OrbaxUnretrievedTasks(logging.Filter):
+  """The same abandoned reads, when they ran as asyncio tasks or gathers that failed too: asyncio logs each one's
+  30-line traceback ("... exception was never retrieved") whenever the collector frees it, often at exit."""
+
+  def filter(self, record):
+    if "exception was never retrieved" not in record.getMessage() or not record.exc_info:
+      return True
+    error = record.exc_info[1]
+    while error is not None:
+      frames = traceback.extract_tb(error.__traceback__)
+      if any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames):
+        return False
+      error = error.__cause__ or error.__context__
+    return True
+
+
 def quiet_libraries():
   quiet = _QuietLibraries()
   for target in (absl_logging.get_absl_handler(), logging.getLogger("absl")):  # the logger: also without app.run
     if not any(isinstance(f, _QuietLibraries) for f in target.filters):
       target.addFilter(quiet)
+  asyncio_log = logging.getLogger("asyncio")
+  if not any(isinstance(f, _OrbaxUnretrievedTasks) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_OrbaxUnretrievedTasks())
   if getattr(sys.unraisablehook, "func", None) is not _drop_orbax_leftovers:
     sys.unraisablehook = functools.partial(_drop_orbax_leftovers, sys.unraisablehook)
 
