@@ -31,9 +31,17 @@ LOOPED = re.compile(r"layers_(\d+)")   # a looped layer's key; scanned layers ar
 # and NF4 kernels (QLoRA, Dense reads them).
 ADAPTERS, QUANTISED = "adapters", "nf4"
 
+
+
+def gelu(x: jax.Array) -> jax.Array:
+  """Exact GELU, x Phi(x), with Phi from erf as torch and HF compute it. jax.nn.gelu's exact form goes through erfc,
+  which XLA:CPU evaluates at about a third of erf's speed (bench/README.md, the nanoGPT grid)."""
+  return 0.5 * x * (1 + jax.lax.erf(x * (1 / math.sqrt(2))))
+
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ACTIVATIONS = {
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),   # exact erf (HF "gelu")
+    "gelu": gelu,   # exact (HF "gelu")
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # original BERT/GPT TF code
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,   # SwiGLU's (Llama, Qwen3: HF "silu") with gated_ffn
@@ -162,6 +170,27 @@ def _one_cpu() -> bool:
   return mesh.empty or mesh.size == 1
 
 
+@jax.custom_vjp
+def _rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x (rows, inputs) @ w (inputs, outputs) whose kernel gradient x^T g is a plain (inputs, rows) x (rows, outputs)
+  product: autodiff's contraction over dimension 0 of both operands runs in XLA:CPU's Eigen dot, below the YNNPACK
+  dot that a materialised x^T reaches (2-5% of a small model's step, bench/README.md, the nanoGPT grid)."""
+  return jnp.dot(x, w)
+
+
+def _rows_matmul_fwd(x, w):
+  return jnp.dot(x, w), (x, w)
+
+
+def _rows_matmul_bwd(residuals, g):
+  x, w = residuals
+  x_t = jax.lax.optimization_barrier(x.T)   # else XLA folds the transpose back into the dot's dimensions
+  return jnp.dot(g, w.T), jnp.dot(x_t, g)
+
+
+_rows_matmul.defvjp(_rows_matmul_fwd, _rows_matmul_bwd)
+
+
 class Dense(nn.Module):
   """x @ kernel (+ bias) contracting x's trailing dims with the kernel's leading ones.
 
@@ -201,8 +230,8 @@ class Dense(nn.Module):
                           shape, self.param_dtype)
       if _one_cpu():   # one (rows, inputs) x (inputs, outputs) product, see _one_cpu
         lead = x.shape[:x.ndim - n_in]
-        y = jnp.dot(x.reshape(-1, math.prod(shape[:n_in])).astype(self.dtype),
-                    kernel.reshape(math.prod(shape[:n_in]), -1).astype(self.dtype)).reshape(lead + features)
+        y = _rows_matmul(x.reshape(-1, math.prod(shape[:n_in])).astype(self.dtype),
+                         kernel.reshape(math.prod(shape[:n_in]), -1).astype(self.dtype)).reshape(lead + features)
       else:
         y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
     if self.use_bias:
