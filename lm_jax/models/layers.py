@@ -32,7 +32,6 @@ LOOPED = re.compile(r"layers_(\d+)")   # a looped layer's key; scanned layers ar
 ADAPTERS, QUANTISED = "adapters", "nf4"
 
 
-
 def gelu(x: jax.Array) -> jax.Array:
   """Exact GELU, x Phi(x), with Phi from erf as torch and HF compute it. jax.nn.gelu's exact form goes through erfc,
   which XLA:CPU evaluates at about a third of erf's speed (bench/README.md, the nanoGPT grid)."""
