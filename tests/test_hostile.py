@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, user_env, cli, flags
+from conftest import REPO, cli, flags, user_env
 
 
 @pytest.fixture(scope="module")

@@ -66,13 +66,17 @@ class _QuietLibraries(logging.Filter):
     return record.levelno >= logging.WARNING or "/jax/" not in record.pathname
 
 
+def _in_orbax(filename: str) -> bool:
+  return f"{os.sep}orbax{os.sep}" in filename
+
+
 def _drop_orbax_leftovers(previous, unraisable):
   """orbax's read of a damaged checkpoint abandons its other reads: once lm_jax.checkpoint has reported the failed
   read in one line, each abandoned read coroutine prints a 30-line traceback when collected (500 lines for a tiny
   model), and TensorStore callbacks aimed at the closed asyncio loop print 'Event loop is closed'."""
   error, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
   closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-  if not (closed_loop or (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename)):
+  if not (closed_loop or (code is not None and _in_orbax(code.co_filename))):
     previous(unraisable)
 
 
@@ -85,8 +89,7 @@ class _OrbaxUnretrievedTasks(logging.Filter):
       return True
     error = record.exc_info[1]
     while error is not None:
-      frames = traceback.extract_tb(error.__traceback__)
-      if any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames):
+      if any(_in_orbax(frame.filename) for frame in traceback.extract_tb(error.__traceback__)):
         return False
       error = error.__cause__ or error.__context__
     return True
