@@ -55,7 +55,8 @@ def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Checkpoi
   return _listing(lambda: ocp.CheckpointManager(
       directory(workdir), item_handlers=handlers,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           cleanup_tmp_directories=not read_only, multiprocessing_options=barriers)))
+                                           cleanup_tmp_directories=not read_only, multiprocessing_options=barriers)),
+                  directory(workdir))
 
 
 def _remove_unfinished_steps(folder: epath.Path):
@@ -109,10 +110,12 @@ def bound_storage_retries(seconds: float):
     context["gcs_request_retries"] = retries
 
 
-def _listing(read, tries: int = 20):
-  """read() of orbax's step list, again when a step vanished between its listing and its stat (a trainer beside this
-  reader deleting an old step); a FileNotFoundError of another cause comes back every try."""
+def _listing(read, folder, tries: int = 20):
+  """read() of orbax's step list in folder, listed afresh (storage.forget_listings), and again when a step vanished
+  between its listing and its stat (a trainer beside this reader deleting an old step); a FileNotFoundError of another
+  cause comes back every try."""
   for attempt in range(tries):
+    storage.forget_listings(folder)
     try:
       return read()
     except FileNotFoundError:
@@ -283,7 +286,7 @@ def _newest_untried(mngr, failed: dict, wait_s: float = 30.0) -> int | None:
   and a save is under way (a trainer keeping one step may delete it before its next one is complete), waits for it."""
   deadline = time.monotonic() + wait_s
   while True:
-    _listing(mngr.reload)
+    _listing(mngr.reload, mngr.directory)
     step = max((s for s in mngr.all_steps() if s not in failed), default=None)
     if step is not None or time.monotonic() > deadline or not _saving(mngr.directory):
       return step
@@ -324,7 +327,7 @@ def _warn_unreadable(mngr, failed: dict, step: int):
 
 
 def _advice(mngr, failed: dict) -> str:
-  _listing(mngr.reload)
+  _listing(mngr.reload, mngr.directory)
   if not set(failed) & set(mngr.all_steps()):
     return "every step was deleted while being read (a trainer keeping few checkpoints); try again"
   return "move the directory away or use a new --workdir"

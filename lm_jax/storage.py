@@ -288,6 +288,17 @@ def _fs(url: str):
   return fsspec.core.url_to_fs(str(url))[0]
 
 
+def forget_listings(url: str):
+  """Drops this process's cached listings of `url`'s storage. orbax and etils list a bucket through fsspec instances
+  of their own, which keep every listing until told otherwise: a reader beside a trainer would go on seeing the steps
+  that the trainer has deleted since (and miss the ones it saved). Every instance of the scheme is told, as a listing
+  of a folder caches its subfolders' too. Local paths have no cache."""
+  if is_remote(url):
+    import fsspec
+    for fs in list(fsspec.get_filesystem_class(_scheme(url))._cache.values()):   # fsspec's live instances
+      fs.invalidate_cache()
+
+
 def list_files(url: str) -> list[str]:
   """URLs of the files directly under the prefix `url`, read fresh from the server (no listing cache)."""
   fs = _fs(url)

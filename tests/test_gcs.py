@@ -236,6 +236,23 @@ def test_a_step_whose_save_never_finished_is_removed_at_start(gcs_server, capsys
   assert f"warning: removing {root}/6: a save that never finished" in capsys.readouterr().err
 
 
+def test_a_reader_lists_afresh_the_steps_a_trainer_saved_and_deleted(gs_run):
+  """A reader's step listing is read again, not kept: after an evaluator listed step 6, a trainer beside it saves step
+  9 and deletes step 6 (here by the GCS client, behind this process's caches), and the evaluator reads step 9. It
+  used to keep the listing fsspec had cached (a CI run ended 'no readable checkpoint ... move the directory away')."""
+  from lm_jax import checkpoint
+  source, root = f"{gs_run['workdir']}/checkpoints/6", "gs://testbucket/relisted/checkpoints"
+  for url in storage.find(source):
+    storage.gcs_blob(url.replace(source, f"{root}/6")).upload_from_string(storage.gcs_blob(url).download_as_bytes())
+  mngr = checkpoint.manager("gs://testbucket/relisted", 2, read_only=True)
+  assert mngr.all_steps() == [6] and checkpoint.read_config(mngr) is not None   # step 6 listed and read: cached
+  for url in storage.find(f"{root}/6"):
+    blob = storage.gcs_blob(url)
+    storage.gcs_blob(url.replace(f"{root}/6", f"{root}/9")).upload_from_string(blob.download_as_bytes())
+    blob.delete()
+  assert checkpoint.read_config(mngr)["total_steps"] == 6 and mngr.all_steps() == [9]
+
+
 def test_a_failed_listing_never_starts_the_run_over(tmp_path, monkeypatch):
   """A checkpoints folder the storage fails to list is an error, not an empty folder: epath's exists() says False on
   any error, orbax then lists no step, and the run started over from step 0 (seen when a killed server left a file
