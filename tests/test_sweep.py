@@ -132,6 +132,22 @@ def test_a_failing_trial_is_retried_then_recorded_with_its_error(tmp_path):
   assert again.stdout.endswith("(0 done, 0 running, 1 failed, 0 left); nothing to start\n") and again.returncode == 1
 
 
+def test_a_trainer_stopped_alone_stops_its_worker_with_no_retry(tmp_path):
+  """A trainer that exits 0 before its last step was stopped by a signal sent to it alone (a scheduler's, a user's
+  kill of lm_jax.main) and saved: the worker stops too, with no retry and no failed record, and the trial stays left
+  for a later worker. (The trainer here exits 0 at once, before its imports, as a stopped one ends.)"""
+  config = tmp_path / "stopped.py"
+  config.write_text(f"import runpy, sys\n\n\ndef get_config(arg='tiny'):\n"
+                    f"  if sys.argv[0].endswith('main.py'):\n    sys.exit(0)\n"
+                    f"  return runpy.run_path({str(REPO / 'configs' / 'gpt1.py')!r})['get_config'](arg)\n")
+  args = ["run", f"--config={config}:tiny", f"--root={tmp_path / 'root'}", "--seeds=2"]
+  out = sweep_cli(*args)
+  assert out.returncode == 0 and out.stdout.count(": start (attempt") == 1, out.stdout + out.stderr
+  assert out.stdout.splitlines()[-2].endswith(": stopped at step 0; a worker started later resumes it")
+  assert out.stdout.splitlines()[-1].startswith("sweep: stopped; 0 done, 0 running, 0 failed, 2 left of 2 trials in ")
+  assert not list(tmp_path.glob("root/*/sweep_failed.json"))
+
+
 def test_margin_and_groups_by_hand():
   rows = [{"lr": lr, "seed": s, "final_eval_loss": v, "status": "done"}
           for lr, s, v in [(1, 0, 3.0), (1, 1, 3.2), (2, 0, 2.9), (2, 1, 3.0), (3, 0, 1.0)]]

@@ -103,7 +103,8 @@ def _claim(folder: str):
 
 class Stop:
   """SIGTERM, SIGHUP or Ctrl-C: no trial starts after, and the running trainer checkpoints and exits (SIGTERM passed
-  on; a Ctrl-C reached it with the terminal's process group, and a second one would stop it unsaved)."""
+  on; a Ctrl-C reached it with the terminal's process group, and a second one would stop it unsaved). A signal sent to
+  the trainer alone stops the worker too: the trainer saves and exits 0 before its last step, not a failure to retry."""
 
   def __init__(self):
     self.requested, self.child = False, None
@@ -136,6 +137,8 @@ def run(spec: str, root: str, trials: list[grid.Trial], retries: int) -> int:
     else:
       time.sleep(POLL_S[storage.is_remote(root)])
     states = _states(root, trials, busy)
+  if stop.requested:
+    print(f"sweep: stopped; {_counts(states)} of {len(trials)} trials in {root}", flush=True)
   return int("failed" in states.values())
 
 
@@ -176,7 +179,8 @@ def _train_trial(spec, root, t: grid.Trial, retries: int, stop: Stop, busy: dict
       write_json(path(folder, DONE), {"steps": last, "seconds": round(seconds, 1), "finished": _now()})
       print(f"sweep: {t.name}: done, step {last} ({seconds:.0f} s)", flush=True)
       return
-    if stop.requested:   # checkpointed on the signal: the next worker resumes it
+    if stop.requested or code == 0:   # checkpointed on a signal (a trainer exits 0 early on no other cause)
+      stop.requested = True   # a signal to the trainer alone (a scheduler's, a user's) stops this worker too
       print(f"sweep: {t.name}: stopped at step {last}; a worker started later resumes it", flush=True)
       return
     error = (f"killed by {signal.Signals(-code).name} at step {last}" if code < 0 else
