@@ -128,13 +128,15 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax
 def _causal_rows(q, k, mask, bias) -> int:
   """Query rows per block of causal self-attention on a CPU (0: unblocked). Block i of the queries sees only the
   keys up to its own last row, so computing it against those alone skips the masked upper triangle: at T=256 the
-  forward and backward of one layer take 13.5 ms, not 23 (bench/README.md, nanoGPT). Below T=128 the blocks' extra
-  work costs more than it saves; above 512 the blocks grow so that the program stays 16 of them. The mask (causal:
-  the model's) and bias are sliced, so they must be whole (T, T) in their last two axes."""
-  T = q.shape[1]
+  forward and backward of one layer take 13.5 ms, not 23 (bench/README.md, nanoGPT). At T=64 that pays only for
+  logits of 2^20 elements or more (batch 64: 14.4 -> 9.9 ms; batch 12 gains nothing), and below it never; above
+  T=512 the blocks grow so that the program stays 16 of them. The mask (causal: the model's) and bias are sliced, so
+  they must be whole (T, T) in their last two axes."""
+  B, T, H, _ = q.shape
   rows = max(32, T // 16)
+  long_enough = T >= 128 or (T >= 64 and B * H * T * T >= 2 ** 20)
   whole = all(x is None or x.shape[-2:] == (T, T) for x in (mask, bias))
-  return rows if mask is not None and whole and T == k.shape[1] and T >= 128 and T % rows == 0 else 0
+  return rows if mask is not None and whole and T == k.shape[1] and long_enough and T % rows == 0 else 0
 
 
 def _causal_blocks(q, k, v, mask, bias, scale, rows: int):
