@@ -4,10 +4,10 @@ being compiled for, and the KV cache. Keys and values may have fewer heads than 
 grouped-query attention, Ainslie et al. 2023, or multi-query with one): query head h reads kv head h // (H / K),
 as transformers' repeat_kv does, without repeating the keys and values in memory.
 
-KV cache: an explicit pytree, no flax 'cache' collection. `Attention` takes one layer's {'k', 'v'}
-(B, K, S_max, Dh), K the kv heads, and a write index, writes the new keys/values there and attends over the whole buffer (the
-caller's mask hides unwritten slots); blocks.stack gives each layer its own cache (a tuple, looped layers), so a
-decoding loop updates every buffer in place.
+KV cache: an explicit pytree, no flax 'cache' collection. `Attention` takes one layer's {'k', 'v'} (B, K, S_max, Dh), K
+the kv heads, and a write index, writes the new keys/values there and attends over the whole buffer (the caller's mask
+hides unwritten slots); blocks.stack gives each layer its own cache (a tuple, looped layers), so a decoding loop updates
+every buffer in place.
 """
 import contextvars
 import functools
@@ -96,13 +96,13 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax
   mask needs to know.
 
   The kernel is the model's (attention_kernel): 'xla' the explicit form below, which materialises the float32
-  (B, H, T, S) probabilities (on a CPU, causal self-attention of T >= 128 in blocks of queries: _causal_rows); 'cudnn' jax.nn.dot_product_attention, cuDNN's fused flash attention on GPU (XLA's
-  form elsewhere); 'splash' Pallas splash attention on TPU (interpreted elsewhere), which never materialises the
-  probabilities. Dropout on the probabilities (models.validate refuses it with the fused kernels) and decoding with
-  a cache (T != S) take the explicit form. Logits and softmax are float32; a fully masked row gives a uniform
-  average, never NaN (explicit form). With K < H the explicit form groups the query heads (B,T,K,H/K,Dh) against
-  the kv heads, cuDNN takes the K heads as they are, and splash (whose kernel wants one kv head per query head)
-  reads them repeated.
+  (B, H, T, S) probabilities (on a CPU, long causal self-attention in blocks of queries: _causal_rows); 'cudnn'
+  jax.nn.dot_product_attention, cuDNN's fused flash attention on GPU (XLA's form elsewhere); 'splash' Pallas splash
+  attention on TPU (interpreted elsewhere), which never materialises the probabilities. Dropout on the probabilities
+  (models.validate refuses it with the fused kernels) and decoding with a cache (T != S) take the explicit form. Logits
+  and softmax are float32; a fully masked row gives a uniform average, never NaN (explicit form). With K < H the
+  explicit form groups the query heads (B,T,K,H/K,Dh) against the kv heads, cuDNN takes the K heads as they are, and
+  splash (whose kernel wants one kv head per query head) reads them repeated.
   """
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   use_dropout = dropout_rng is not None and dropout_rate > 0.0
