@@ -361,3 +361,33 @@ def test_eval_prints_its_result_on_a_workdir_it_cannot_write(small_run, shared_d
   warnings = [line for line in run.stderr.splitlines() if line.startswith("warning:")]
   assert warnings == [f"warning: cannot write {workdir}/metrics.jsonl ({reason}); this run's metrics are not "
                       "recorded there"]
+
+
+SAVE_ON_8_DEVICES = """
+import jax, jax.numpy as jnp, ml_collections, numpy as np, sys
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from lm_jax import checkpoint
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+state = {"replicated": jax.device_put(jnp.arange(96.0).reshape(8, 12), NamedSharding(mesh, P())),
+         "half": jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("model")))}
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+mngr = checkpoint.manager(sys.argv[1], keep=1)
+checkpoint.save(mngr, 1, state, {"processes": []}, ml_collections.ConfigDict({"step": 1}))
+checkpoint.finish(mngr)
+restored = checkpoint.ocp.StandardCheckpointer().restore(f"{sys.argv[1]}/checkpoints/1/state")
+assert all(np.array_equal(restored[k], state[k]) for k in state)
+print("compiles", len(compiles))
+"""
+
+
+def test_a_save_on_8_devices_of_one_process_compiles_nothing(tmp_path):
+  """One process holds every replica, so orbax's replica-parallel slicing (a jit(slice) per replicated shape) is
+  off: a save compiles no program."""
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+  out = subprocess.run([sys.executable, "-c", SAVE_ON_8_DEVICES, str(tmp_path)], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "compiles 0" in out.stdout, out.stdout

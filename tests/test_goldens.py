@@ -20,8 +20,7 @@ def procs(shared_data):
   """The loss workers of regenerate.py, started together: they share the machine's cores."""
   procs = regenerate.start(shared_data)
   yield procs
-  for proc in procs.values():
-    proc.kill()
+  regenerate.stop(procs)
 
 
 @pytest.fixture(scope="module")

@@ -9,19 +9,22 @@ writes tests/goldens/{1_device,8_devices,compile_memory}.json with the reason, d
 compile_memory.json only where LM_JAX_AOT_PYTHON names the --mode=compile interpreter (tests/test_aot.py), else
 it is kept as it is.
 
-The runs train in three subprocesses side by side (WORKERS; `--measure=I` prints one's JSON), XLA's
+The runs train in three forked processes side by side (WORKERS; `--measure` prints their JSON), XLA's
 CPU flags below compile a tiny step in about a second (numbers differ from the default flags' in the last digits;
 golden and test use the same), --xla_cpu_max_isa keeps the code the same on CPUs with wider vectors, and
 single-threaded Eigen spends no CPU time waiting on 8 simulated devices.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
+import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -71,8 +74,8 @@ METRIC = {"ppo": "policy_loss"}   # an objective whose records name their loss o
 # group (a golden file): its mesh. The 8-device mesh runs one model of each layout (encoder, decoder,
 # encoder-decoder): all runs on it do not fit test_goldens' minute on 2 cores.
 MESHES = {"1_device": {}, "8_devices": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
-# The runs of each subprocess (group, run), balanced by CPU time on 2 cores (about 25 s each, the first run of each
-# also paying ~4 s of imports); gpt_classify shares its clm run's worker.
+# The runs of each forked worker (group, run), balanced by CPU time (about 27 s each on this 2-core CI machine);
+# gpt_classify shares its clm run's worker.
 WORKERS = [[("1_device", name) for name in ("bert_mlm", "bert_classify", "gpt_clm", "gpt_gpt_classify", "gpt_sft",
                                             "gpt_reward", "gpt_dpo", "nanogpt_clm")],
            [("8_devices", "bert_mlm"), ("8_devices", "gpt_clm"), ("8_devices", "t5_span_corruption"),
@@ -119,9 +122,9 @@ def _placed(fields: dict, places: dict) -> dict:
   return {k: place(v) for k, v in fields.items()}
 
 
-def measure(worker: int, data: pathlib.Path) -> dict:
+def measure(worker: int, data: pathlib.Path, tmp: pathlib.Path) -> dict:
   """{'versions', 'runs': {group: {name: {config, overrides, devices, metric, losses, eval_loss}}}} of the runs of
-  WORKERS[worker], trained here (run with XLA_FLAGS, as spawn does)."""
+  WORKERS[worker], trained here with write_inputs' files in tmp / 'toy' (run with XLA_FLAGS, as spawn does)."""
   import flax
   import jax
   import jaxlib
@@ -130,39 +133,75 @@ def measure(worker: int, data: pathlib.Path) -> dict:
   from lm_jax.obs import metrics_log
   from lm_jax.rlhf import ppo
   runs = {}
+  for group, name in WORKERS[worker]:
+    spec, fields = RUNS[name][0], {**SMALL, **RUNS[name][1], **MESHES[group]}
+    config = config_lib.load(spec, _placed(fields, {"$DATA": data, "$TOY": tmp / "toy", "$RUNS": tmp / group}))
+    objective = objectives.get(config.objective)
+    devices = jax.devices() if MESHES[group] else jax.devices()[:1]
+    workdir = tmp / group / name
+    result = (ppo.train if objective.rollouts else train.train)(config, str(workdir), devices=devices)
+    metric = METRIC.get(objective.name, "loss")
+    records = metrics_log.read(str(workdir / "metrics.jsonl"))
+    runs.setdefault(group, {})[name] = {
+        "config": spec, "overrides": fields, "devices": len(devices), "metric": metric,
+        "losses": [r[metric] for r in records if metric in r], "eval_loss": (result.get("eval") or {}).get("eval_loss")}
+  return {"versions": {m.__name__: m.__version__ for m in (jax, jaxlib, flax, optax)}, "runs": runs}
+
+
+def measure_all(data: pathlib.Path) -> list:
+  """measure() of every worker, side by side: the imports and write_inputs run once, then one forked child per
+  worker (before any JAX backend starts, so the fork copies no XLA threads) trains its runs and writes its JSON."""
+  from lm_jax import train  # noqa: F401  the imports measure() makes, once for all the children
+  from lm_jax.rlhf import ppo  # noqa: F401
   with tempfile.TemporaryDirectory() as tmp:
     tmp = pathlib.Path(tmp)
     (tmp / "toy").mkdir()
     write_inputs(tmp / "toy", data)
-    for group, name in WORKERS[worker]:
-      spec, fields = RUNS[name][0], {**SMALL, **RUNS[name][1], **MESHES[group]}
-      config = config_lib.load(spec, _placed(fields, {"$DATA": data, "$TOY": tmp / "toy", "$RUNS": tmp / group}))
-      objective = objectives.get(config.objective)
-      devices = jax.devices() if MESHES[group] else jax.devices()[:1]
-      workdir = tmp / group / name
-      result = (ppo.train if objective.rollouts else train.train)(config, str(workdir), devices=devices)
-      metric = METRIC.get(objective.name, "loss")
-      records = metrics_log.read(str(workdir / "metrics.jsonl"))
-      runs.setdefault(group, {})[name] = {
-          "config": spec, "overrides": fields, "devices": len(devices), "metric": metric,
-          "losses": [r[metric] for r in records if metric in r], "eval_loss": (result.get("eval") or {}).get("eval_loss")}
-  return {"versions": {m.__name__: m.__version__ for m in (jax, jaxlib, flax, optax)}, "runs": runs}
+    children = {}
+    for worker in range(len(WORKERS)):
+      sys.stdout.flush()
+      sys.stderr.flush()
+      pid = os.fork()
+      if pid == 0:
+        code = 1
+        try:
+          (tmp / f"worker{worker}.json").write_text(json.dumps(measure(worker, data, tmp)))
+          code = 0
+        except BaseException:
+          traceback.print_exc()
+        finally:
+          sys.stdout.flush()
+          sys.stderr.flush()
+          os._exit(code)
+      children[pid] = worker
+    failed = sorted(children[pid] for pid, status in (os.wait() for _ in children) if status)
+    if failed:
+      raise RuntimeError(f"golden worker(s) {failed} failed: their tracebacks are above")
+    return [json.loads((tmp / f"worker{worker}.json").read_text()) for worker in range(len(WORKERS))]
 
 
-def spawn(worker: int | str, data: pathlib.Path) -> subprocess.Popen:
-  """A subprocess measuring WORKERS[worker] or 'compile_memory' (under LM_JAX_AOT_PYTHON); its output goes to files (a full pipe would stall it while another is read),
-  the last line of stdout RESULT and the JSON."""
+def spawn(worker: str, data: pathlib.Path) -> subprocess.Popen:
+  """A subprocess measuring every worker's runs ('losses') or 'compile_memory' (under LM_JAX_AOT_PYTHON); its output
+  goes to files (a full pipe would stall it while another is read), the last line of stdout RESULT and the JSON."""
   env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": XLA_FLAGS, "JAX_PLATFORMS": "cpu"}
   if worker == "compile_memory":
     env.pop("XLA_FLAGS")
     env.pop("JAX_PLATFORMS")
     cmd = [os.environ["LM_JAX_AOT_PYTHON"], "-c", MEMORY_DRIVER, json.dumps(MEMORY)]
   else:
-    cmd = [sys.executable, __file__, f"--measure={worker}", f"--data={data}"]
+    cmd = [sys.executable, __file__, "--measure", f"--data={data}"]
   out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True, process_group=0)
   proc.files = out, err
   return proc
+
+
+def stop(procs: dict):
+  """Kills the processes of `start` with their forked workers (each leads its own process group)."""
+  for proc in procs.values():
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def wait(proc: subprocess.Popen, timeout: float = 900) -> dict:
@@ -180,15 +219,14 @@ def memory_entries(got: dict) -> dict:
 
 
 def start(data: pathlib.Path, memory: bool = False) -> dict:
-  """The loss workers side by side, with the compile driver if `memory`: {worker index or 'compile_memory': process}."""
-  return {worker: spawn(worker, data) for worker in [*range(len(WORKERS)), *(["compile_memory"] if memory else [])]}
+  """The loss runs, with the compile driver if `memory`: {'losses' or 'compile_memory': process}."""
+  return {worker: spawn(worker, data) for worker in ["losses", *(["compile_memory"] if memory else [])]}
 
 
 def losses(procs: dict) -> dict:
-  """{group: {'versions', 'runs'}} from the loss workers of `start`, in WORKERS' order."""
+  """{group: {'versions', 'runs'}} from the loss runs of `start`, in RUNS' order."""
   out = {}
-  for worker in range(len(WORKERS)):
-    got = wait(procs[worker])
+  for got in wait(procs["losses"]):
     for group, runs in got["runs"].items():
       out.setdefault(group, {"versions": got["versions"], "runs": {}})["runs"].update(runs)
   return {group: {**out[group], "runs": {n: out[group]["runs"][n] for n in RUNS if n in out[group]["runs"]}}
@@ -206,10 +244,10 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--reason", help="why the goldens move (kept in each file)")
   parser.add_argument("--data", default=os.environ.get("LM_JAX_DATA", str(REPO.parent / "shared" / "data")))
-  parser.add_argument("--measure", type=int, help=argparse.SUPPRESS)   # a worker of spawn
+  parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)   # the loss runs, for spawn
   args = parser.parse_args()
-  if args.measure is not None:
-    print("RESULT" + json.dumps(measure(args.measure, pathlib.Path(args.data))))
+  if args.measure:
+    print("RESULT" + json.dumps(measure_all(pathlib.Path(args.data))))
     return
   if not args.reason:
     parser.error("--reason is required: say why the goldens move")
@@ -221,8 +259,7 @@ def main():
       got = wait(procs["compile_memory"])
       results["compile_memory"] = {"versions": got["versions"], "memory": memory_entries(got)}
   finally:
-    for proc in procs.values():
-      proc.kill()
+    stop(procs)
   for name, got in results.items():
     doc = {**got.pop("versions"), **header, "runs": {}, "memory": {}, **got}
     (HERE / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
