@@ -113,7 +113,7 @@ def abstract(run) -> dict:
   p = resolve(run)
   if p.adapter is None:
     return models.abstract_params(p.config.model)
-  key = (p.config.model.to_json(), p.method, p.config[p.method].to_json())
+  key = (models.cache_key(p.config.model), p.method, models.cache_key(p.config[p.method]))
   if key not in _ABSTRACT:
     if len(_ABSTRACT) >= 16:
       _ABSTRACT.pop(next(iter(_ABSTRACT)))

@@ -80,6 +80,12 @@ def init(model_cfg, rng: jax.Array) -> dict:
   return jax.jit(lambda r: nn.meta.unbox(_boxed_init(model_cfg, r)))(rng)
 
 
+def cache_key(cfg) -> str:
+  """A config as a cache key: its JSON with sorted keys, so an equal config built in another field order (a
+  copy through to_dict, as layers.replace makes) finds the same entry."""
+  return cfg.to_json(sort_keys=True)
+
+
 @functools.lru_cache(maxsize=32)
 def _boxed_shapes(model_json: str) -> dict:
   """The boxed param tree as ShapeDtypeStructs. A run asks for shapes and axes several times (setup, layout, checks,
@@ -91,13 +97,13 @@ def _boxed_shapes(model_json: str) -> dict:
 def abstract_params(model_cfg) -> dict:
   """Param shapes and dtypes as ShapeDtypeStructs, allocating nothing."""
   validate(model_cfg)
-  return jax.eval_shape(nn.meta.unbox, _boxed_shapes(model_cfg.to_json()))   # traced: unbox may constrain sharding
+  return jax.eval_shape(nn.meta.unbox, _boxed_shapes(cache_key(model_cfg)))   # traced: unbox may constrain sharding
 
 
 def logical_axes(model_cfg) -> dict:
   """PartitionSpecs of logical axis names, same tree structure as the params."""
   validate(model_cfg)
-  return nn.get_partition_spec(_boxed_shapes(model_cfg.to_json()))
+  return nn.get_partition_spec(_boxed_shapes(cache_key(model_cfg)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -112,7 +118,7 @@ def looped_params(model_cfg) -> tuple[dict, dict]:
   """({looped path: ShapeDtypeStruct}, {looped path: logical PartitionSpec}) of every param, layers named as when
   looped ('layers_3/mlp/wi/kernel') whether or not the model scans them: the paths freeze patterns and adapter
   targets are written against."""
-  return _looped(model_cfg.to_json())
+  return _looped(cache_key(model_cfg))
 
 
 def apply(model_cfg, params: dict, batch: dict, *, rng: jax.Array | None = None, train: bool = False) -> dict:
