@@ -159,25 +159,31 @@ def measure_all(data: pathlib.Path) -> list:
     write_inputs(tmp / "toy", data)
     children = {}
     for worker in range(len(WORKERS)):
-      sys.stdout.flush()
+      sys.stdout.flush()   # else the children inherit and print the parent's buffered lines again
       sys.stderr.flush()
       pid = os.fork()
       if pid == 0:
-        code = 1
-        try:
-          (tmp / f"worker{worker}.json").write_text(json.dumps(measure(worker, data, tmp)))
-          code = 0
-        except BaseException:
-          traceback.print_exc()
-        finally:
-          sys.stdout.flush()
-          sys.stderr.flush()
-          os._exit(code)
+        _child(worker, data, tmp)
       children[pid] = worker
     failed = sorted(children[pid] for pid, status in (os.wait() for _ in children) if status)
     if failed:
       raise RuntimeError(f"golden worker(s) {failed} failed: their tracebacks are above")
     return [json.loads((tmp / f"worker{worker}.json").read_text()) for worker in range(len(WORKERS))]
+
+
+def _child(worker: int, data: pathlib.Path, tmp: pathlib.Path):
+  """A forked worker: measure() into tmp / worker<i>.json, then exits (0, or 1 after printing the traceback) without
+  returning into the parent's code."""
+  code = 1
+  try:
+    (tmp / f"worker{worker}.json").write_text(json.dumps(measure(worker, data, tmp)))
+    code = 0
+  except BaseException:
+    traceback.print_exc()
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn(worker: str, data: pathlib.Path) -> subprocess.Popen:
